@@ -1,0 +1,31 @@
+# Two commands after cloning: `make demo` and `make test`. Both create .venv if it is missing.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?= -n 2
+
+.PHONY: demo test test-gpu notebooks bench clean venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || { base=$$(tools/find-python) && echo "creating $(VENV) with $$base" && $$base -m venv $(VENV); }
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m k3jax.demo
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# On a Hopper machine: the same suite compiled (gpu-marked tests run, interpret tests too).
+test-gpu:
+	PYTHONPATH=. python3 -m pytest -m gpu -p no:cacheprovider
+
+notebooks: $(STAMP)
+	$(PY) -m k3jax.notebooks_run --write
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""k3jax: a Kimi-K3 style hybrid (KDA + MLA + latent MoE) transformer in Flax NNX."""

@@ -1,0 +1,80 @@
+"""Small helpers shared by every op: backend choice, dtype canonicalisation, input checks.
+
+Every check raises ``ValueError`` (bad input) naming the argument, what was expected and what was given.
+"""
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Impl = Literal["xla", "pallas", "interpret"]
+IMPLS: tuple[str, ...] = ("xla", "pallas", "interpret")
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+@functools.cache
+def is_hopper_gpu() -> bool:
+  """True when the default JAX backend is a CUDA GPU of compute capability 9.x (sm_90a)."""
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError:
+    return False
+  if dev.platform != "gpu":
+    return False
+  return str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def default_impl() -> str:
+  """The one place that decides the default backend: ``"pallas"`` on Hopper, ``"xla"`` elsewhere."""
+  return "pallas" if is_hopper_gpu() else "xla"
+
+
+def canonical_impl(impl: str | None) -> str:
+  if impl is None:
+    return default_impl()
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  return impl
+
+
+def canonical_dtype(name: str, dtype, allowed: tuple) -> jnp.dtype:
+  """``jnp.dtype(dtype)``, checked against ``allowed`` (so jnp.float32 and "float32" hash alike)."""
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError as e:
+    raise ValueError(f"{name} must be a dtype, got {dtype!r}") from e
+  allowed = tuple(jnp.dtype(a) for a in allowed)
+  if dt not in allowed:
+    raise ValueError(f"{name} must be one of {[a.name for a in allowed]}, got {dt.name}")
+  return dt
+
+
+def check_shape(name: str, x, expected: tuple) -> None:
+  """``expected`` entries are ints or None (any size)."""
+  shape = tuple(x.shape)
+  if len(shape) != len(expected) or any(e is not None and e != s for e, s in zip(expected, shape)):
+    want = tuple("*" if e is None else e for e in expected)
+    raise ValueError(f"{name} must have shape {want}, got {shape}")
+
+
+def check_dtype(name: str, x, allowed: tuple) -> None:
+  allowed = tuple(jnp.dtype(a) for a in allowed)
+  if jnp.dtype(x.dtype) not in allowed:
+    raise ValueError(f"{name} must have dtype in {[a.name for a in allowed]}, got {jnp.dtype(x.dtype).name}")
+
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+INT_DTYPES = (jnp.int32, jnp.int64)
+
+
+def concrete(x) -> np.ndarray | None:
+  """The host value of ``x`` when it is concrete (not traced), else None: value checks run only then."""
+  if isinstance(x, jax.core.Tracer):
+    return None
+  return np.asarray(x)

@@ -1,0 +1,27 @@
+"""Test setup: 9 CPU devices (the 9-device mesh exists only on CPUs here), markers, the `gpu` skip."""
+
+import os
+
+import jax
+
+# Must happen before JAX initialises its backends.
+jax.config.update("jax_num_cpu_devices", 9)
+
+import pytest  # noqa: E402
+
+from pallas_kernels import _util  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+  if _util.is_hopper_gpu():
+    return
+  skip = pytest.mark.skip(reason="needs a Hopper GPU (sm_90a)")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+
+
+@pytest.fixture
+def kernel_impl() -> str:
+  """The kernel backend a kernel test runs: compiled on a Hopper GPU, interpret mode elsewhere."""
+  return "pallas" if _util.is_hopper_gpu() else "interpret"

@@ -1,0 +1,26 @@
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _util
+from pallas_kernels.kda import KdaConfig
+from pallas_kernels.mla import MlaDecodeConfig
+
+
+def test_nine_cpu_devices():
+  if jax.default_backend() == "cpu":
+    assert len(jax.devices()) == 9
+
+
+def test_default_impl_decided_in_one_place():
+  expected = "pallas" if _util.is_hopper_gpu() else "xla"
+  assert _util.default_impl() == expected
+  assert KdaConfig().impl == expected
+  assert MlaDecodeConfig().impl == expected
+
+
+def test_configs_canonicalise_dtypes_and_hash_alike():
+  a = KdaConfig(state_dtype=jnp.bfloat16, impl="xla")
+  b = KdaConfig(state_dtype="bfloat16", impl="xla")
+  assert a == b and hash(a) == hash(b) and a.state_dtype == jnp.dtype(jnp.bfloat16)
+  c = MlaDecodeConfig(partial_dtype=jnp.float32, impl="xla")
+  assert c.partial_dtype == jnp.dtype("float32") and c == MlaDecodeConfig(partial_dtype="float32", impl="xla")
