@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?= -n 2
 
-.PHONY: demo test test-gpu notebooks bench clean venv
+.PHONY: demo test test-gpu clean venv
 
 venv: $(STAMP)
 
@@ -23,9 +23,6 @@ test: $(STAMP)
 # On a Hopper machine: the same suite compiled (gpu-marked tests run, interpret tests too).
 test-gpu:
 	PYTHONPATH=. python3 -m pytest -m gpu -p no:cacheprovider
-
-notebooks: $(STAMP)
-	$(PY) -m k3jax.notebooks_run --write
 
 clean:
 	rm -rf $(VENV) .pytest_cache
