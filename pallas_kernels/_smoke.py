@@ -4,8 +4,6 @@ It proves that the toolchain works end to end (interpret mode on CPU in CI, the 
 the compiled kernel on a Hopper GPU) before anything larger is debugged.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -15,11 +13,9 @@ from pallas_kernels import _util
 
 TILE = 64  # one wgmma tile: M = N = K = 64 (one warpgroup, 128-byte swizzle for bf16)
 
-
 def _bf16_transforms():
   # 64 bf16 = 128 bytes per row: the widest swizzle, which wgmma operands in SMEM need.
   return (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(128))
-
 
 def _smoke_body(a_gmem, b_gmem, out_gmem, a_smem, b_smem, out_smem, barrier):
   plgpu.copy_gmem_to_smem(a_gmem, a_smem, barrier.at[0])
@@ -38,8 +34,7 @@ def _smoke_body(a_gmem, b_gmem, out_gmem, a_smem, b_smem, out_smem, barrier):
   plgpu.copy_smem_to_gmem(out_smem, out_gmem)
   plgpu.wait_smem_to_gmem(0)
 
-
-@functools.partial(jax.jit, static_argnames=())
+@jax.jit
 def smoke_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
   """``a @ b`` with f32 accumulation, as one Mosaic GPU program (TMA loads, one wgmma, TMA store).
 
