@@ -1,0 +1,159 @@
+"""K3Config: presets, HF config.json parsing (both formats), round trips and every validation error."""
+
+import copy
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from k3jax import config as cfg_lib
+from k3jax.config import K3Config
+
+
+def _k3_json() -> dict:
+  return cfg_lib.preset("kimi_k3").to_hf("kimi_k3")
+
+
+def _linear_json() -> dict:
+  return cfg_lib.preset("kimi_linear_48b").to_hf("kimi_linear")
+
+
+def test_presets_match_the_published_configs():
+  lin = cfg_lib.preset("kimi_linear_48b")
+  assert lin.full_attn_layers == (4, 8, 12, 16, 20, 24, 27)
+  assert len(lin.kda_layers) == 20 and lin.kda_layers[:4] == (1, 2, 3, 5)
+  assert lin.layer_types[3] == "mla" and lin.layer_types[26] == "mla" and lin.layer_types[25] == "kda"
+  k3 = cfg_lib.preset("kimi_k3")
+  assert len(k3.full_attn_layers) == 24 and len(k3.kda_layers) == 69
+  assert k3.full_attn_layers[-3:] == (88, 92, 93)
+  assert k3.moe_hidden_size == 3584 and lin.moe_hidden_size == 2304
+  assert k3.mla_scale == pytest.approx(192 ** -0.5)
+  tiny = cfg_lib.preset("tiny")
+  assert tiny.layer_types[-2:] == ("mla", "mla") and "kda" in tiny.layer_types
+  t9 = cfg_lib.preset("tiny9")
+  for d in (t9.hidden_size, t9.vocab_size, t9.kda_num_heads, t9.num_attention_heads, t9.num_experts,
+            t9.intermediate_size, t9.moe_intermediate_size, t9.routed_expert_hidden_size):
+    assert d % 9 == 0
+
+
+@pytest.mark.parametrize("name", sorted(cfg_lib.PRESETS))
+@pytest.mark.parametrize("fmt", ["kimi_linear", "kimi_k3"])
+def test_hf_round_trip(name, fmt):
+  c = cfg_lib.preset(name, impl="xla")
+  back = K3Config.from_hf(json.loads(json.dumps(c.to_hf(fmt))), impl="xla")
+  assert back == c
+
+
+def test_from_hf_reads_a_file_and_a_directory(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps(_k3_json()))
+  a = K3Config.from_hf(tmp_path, impl="xla")
+  b = K3Config.from_hf(tmp_path / "config.json", impl="xla")
+  assert a == b == cfg_lib.preset("kimi_k3", impl="xla")
+
+
+def test_hf_layer_lists_are_one_indexed():
+  j = _linear_json()
+  c = K3Config.from_hf(j, impl="xla")
+  assert c.layer_types[0] == "kda" and c.layer_types[3] == "mla"
+
+
+def test_runtime_fields_and_op_configs():
+  c = cfg_lib.preset("tiny", state_dtype="bfloat16", partial_dtype=jnp.float32, impl="xla")
+  assert c.state_dtype == jnp.bfloat16 and c.partial_dtype == jnp.float32
+  assert c.kda_op_config().state_dtype == jnp.bfloat16 and c.kda_op_config().lower_bound == -5.0
+  assert c.mla_op_config().partial_dtype == jnp.float32 and c.mla_op_config().impl == "xla"
+  assert hash(c) == hash(cfg_lib.preset("tiny", state_dtype=jnp.bfloat16, partial_dtype="float32", impl="xla"))
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    c.hidden_size = 3
+
+
+def _mutate(base, path, value):
+  j = copy.deepcopy(base)
+  d = j
+  for p in path[:-1]:
+    d = d[p]
+  if value is _DELETE:
+    del d[path[-1]]
+  else:
+    d[path[-1]] = value
+  return j
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize("base,path,value,match", [
+    ("lin", ("unknown_key",), 1, "unknown keys \\['unknown_key'\\]"),
+    ("lin", ("linear_attn_config", "mystery"), 1, "linear_attn_config: unknown keys"),
+    ("k3", ("vision_tower_x",), 1, "unknown keys"),
+    ("k3", ("text_config", "bogus"), 1, "text_config: unknown keys"),
+    ("lin", ("model_type",), "deepseek_v3", "model_type must be"),
+    ("k3", ("text_config", "model_type"), "llama", "text_config.model_type"),
+    ("lin", ("hidden_size",), _DELETE, "missing required key 'hidden_size'"),
+    ("lin", ("linear_attn_config", "kda_layers"), [1, 2, 3], "in neither"),
+    ("lin", ("linear_attn_config", "kda_layers"), [1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21,
+                                                   22, 23, 25, 26], "in both"),
+    ("lin", ("linear_attn_config", "kda_layers"), [0, 1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21,
+                                                   22, 23, 25, 26], "1-indexed"),
+    ("lin", ("linear_attn_config", "full_attn_layers"), [4, 4, 8, 12, 16, 20, 24, 27], "duplicates"),
+    ("lin", ("num_key_value_heads",), 8, "num_key_value_heads"),
+    ("lin", ("rope_scaling",), {"type": "yarn"}, "rope_scaling"),
+    ("lin", ("hidden_act",), "gelu", "hidden_act"),
+    ("lin", ("num_experts_per_token",), 300, "num_experts_per_token"),
+    ("lin", ("latent_moe_use_norm",), True, "latent_moe_use_norm"),
+    ("k3", ("tie_word_embeddings",), True, "tie_word_embeddings"),
+    ("k3", ("text_config", "linear_attn_config", "gate_lower_bound"), -6.0, "gate_lower_bound"),
+])
+def test_bad_hf_configs_raise(base, path, value, match):
+  j = _mutate(_linear_json() if base == "lin" else _k3_json(), path, value)
+  with pytest.raises(ValueError, match=match):
+    K3Config.from_hf(j, impl="xla")
+
+
+@pytest.mark.parametrize("key,value", [("mla_use_nope", False), ("num_nextn_predict_layers", 1),
+                                       ("moe_router_activation_func", "softmax"), ("num_expert_group", 8),
+                                       ("topk_group", 2), ("moe_layer_freq", 2), ("topk_method", "greedy")])
+def test_unsupported_hf_settings_raise_not_implemented(key, value):
+  with pytest.raises(NotImplementedError, match=key):
+    K3Config.from_hf(_mutate(_linear_json(), (key,), value), impl="xla")
+
+
+def test_k3_text_config_missing_raises():
+  j = _k3_json()
+  del j["text_config"]
+  with pytest.raises(ValueError, match="text_config"):
+    K3Config.from_hf(j, impl="xla")
+
+
+def test_bad_runtime_kwarg_raises():
+  with pytest.raises(ValueError, match="runtime keyword"):
+    K3Config.from_hf(_linear_json(), impl="xla", state_dtyp=jnp.float32)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("hidden_size", 0, "hidden_size must be an int >= 1"),
+    ("kda_num_heads", 2.5, "kda_num_heads must be an int"),
+    ("q_lora_rank", 0, "q_lora_rank must be None or an int >= 1"),
+    ("num_shared_experts", -1, "num_shared_experts must be an int >= 0"),
+    ("rms_norm_eps", 0.0, "rms_norm_eps must be > 0"),
+    ("layer_types", ("kda",) * 5, "layer_types must have"),
+    ("layer_types", ("kda", "attn", "mla", "kda", "mla", "mla"), "layer_types entries"),
+    ("state_dtype", jnp.float16, "state_dtype must be one of"),
+    ("partial_dtype", jnp.int32, "partial_dtype must be one of"),
+    ("cache_dtype", "float64", "cache_dtype must be one of"),
+    ("impl", "cuda", "impl must be one of"),
+    ("gate_lower_bound", 0.0, "gate_lower_bound"),
+    ("first_k_dense_replace", 7, "first_k_dense_replace"),
+    ("hidden_act", "relu", "hidden_act"),
+])
+def test_bad_fields_raise(field, value, match):
+  with pytest.raises(ValueError, match=match):
+    cfg_lib.preset("tiny", **{field: value})
+
+
+def test_unknown_preset_and_fmt_raise():
+  with pytest.raises(ValueError, match="preset name"):
+    cfg_lib.preset("tiny3")
+  with pytest.raises(ValueError, match="fmt must be"):
+    cfg_lib.preset("tiny").to_hf("kimi_k2")
