@@ -1,0 +1,266 @@
+"""Short causal depthwise convolution (width W, SiLU) of the packed q|k|v projection, with a conv state pool.
+
+Pure JAX: the op reads and writes ``T * D`` elements once, far below the cost of the KDA kernels around it.
+
+Conv state pool layout: ``conv_pool [P, W - 1, D]``: slot ``s`` holds the last ``W - 1`` *pre-conv* input
+rows of its sequence, oldest first (row ``W - 2`` is the most recent token). Its dtype is chosen by the
+caller and kept: rows are rounded to it once when written, read back as f32.
+
+Math, per channel ``c``, with ``h`` the history = ``W - 1`` state rows followed by the sequence's rows:
+``y[t, c] = act(sum_i weight[c, i] * h[t + i, c])``, i = 0..W-1 (i = W-1 is the current token), all in f32.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import _util
+
+ACTIVATIONS = ("silu", None)
+
+
+def _conv(windows: jax.Array, weight: jax.Array, activation: str | None) -> jax.Array:
+  """``windows [..., W, D]`` f32 (oldest first), ``weight [D, W]`` -> ``[..., D]`` f32."""
+  y = jnp.einsum("...wd,dw->...d", windows, weight.astype(jnp.float32),
+                 precision=jax.lax.Precision.HIGHEST)
+  return jax.nn.silu(y) if activation == "silu" else y
+
+
+def _check_common(x, weight, conv_pool, activation, x_shapes: dict[int, str]) -> int:
+  """Shared checks of ``x`` (rank -> shape name), ``weight``, ``conv_pool``, ``activation``; returns W."""
+  if x.ndim not in x_shapes:
+    raise ValueError(f"x must have shape {' or '.join(x_shapes.values())}, got {tuple(x.shape)}")
+  _util.check_dtype("x", x, _util.FLOAT_DTYPES)
+  d = x.shape[-1]
+  if weight.ndim != 2 or weight.shape[0] != d or weight.shape[1] < 2:
+    raise ValueError(f"weight must have shape ({d}, W) with W >= 2, got {tuple(weight.shape)}")
+  _util.check_dtype("weight", weight, _util.FLOAT_DTYPES)
+  width = weight.shape[1]
+  if conv_pool.ndim != 3:
+    raise ValueError(f"conv_pool must have shape (P, {width - 1}, {d}), got {tuple(conv_pool.shape)}")
+  _util.check_shape("conv_pool", conv_pool, (None, width - 1, d))
+  _util.check_dtype("conv_pool", conv_pool, _util.FLOAT_DTYPES)
+  if activation not in ACTIVATIONS:
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+  return width
+
+
+def _check_slots(name: str, slots, num_slots: int) -> None:
+  _util.check_dtype(name, slots, _util.INT_DTYPES)
+  s = _util.concrete(slots)
+  if s is not None and s.size and (s.min() < -1 or s.max() >= num_slots):
+    raise ValueError(f"{name} must be in [-1, {num_slots}) (-1 = no slot), got values in "
+                     f"[{s.min()}, {s.max()}]")
+
+
+def _check_distinct_writes(written) -> None:
+  """Each destination slot is written at most once (else the result would depend on scatter order)."""
+  if any(w is None for _, w in written):
+    return
+  seen: dict[int, str] = {}
+  for name, w in written:
+    for s in np.asarray(w).ravel().tolist():
+      if s < 0:
+        continue
+      if s in seen:
+        raise ValueError(f"conv pool slot {s} is written twice ({seen[s]} and {name}); destination "
+                         "slots must be distinct")
+      seen[s] = name
+
+
+def _scatter_rows(pool: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
+  """``pool[slots[i]] = rows[i]`` for ``slots[i] >= 0``; negative slots write nothing."""
+  # Index P is out of bounds and dropped; -1 itself would wrap around to the last slot.
+  idx = jnp.where(slots >= 0, slots, pool.shape[0]).astype(jnp.int32)
+  return pool.at[idx].set(rows.astype(pool.dtype), mode="drop")
+
+
+def short_conv_prefill(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array, conv_pool: jax.Array,
+                       state_indices: jax.Array, has_initial_state: jax.Array,
+                       checkpoint_indptr: jax.Array | None = None,
+                       checkpoint_offsets: jax.Array | None = None,
+                       checkpoint_slots: jax.Array | None = None,
+                       activation: str | None = "silu") -> tuple[jax.Array, jax.Array]:
+  """Causal depthwise conv over packed variable-length sequences, reading and writing the conv pool.
+
+  Positions before a sequence start come from its slot (the last ``W - 1`` pre-conv rows of the prefix),
+  or are zero when ``has_initial_state[n]`` is false or the slot is -1. Sequences shorter than ``W - 1``
+  keep the newest old rows in front of their own in the written state.
+
+  Args:
+    x: ``[T, D]`` pre-conv rows (D = channels of the packed q|k|v projection), f32/bf16/f16.
+    weight: ``[D, W]`` per-channel taps, oldest first (``weight[:, W - 1]`` multiplies the current token).
+    cu_seqlens: ``[N + 1]`` int32/int64, ``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[N] == T``.
+    conv_pool: ``[P, W - 1, D]`` conv state pool (layout in the module docstring), any float dtype (kept).
+    state_indices: ``[N]`` int slot of each sequence, read (if ``has_initial_state``) and written with the
+      last ``W - 1`` pre-conv rows after the sequence; -1: zero history, write nothing. A length-0
+      sequence leaves its slot unchanged.
+    has_initial_state: ``[N]`` bool.
+    checkpoint_indptr: ``[N + 1]`` int CSR row pointer (None: no checkpoints; the three go together).
+    checkpoint_offsets: ``[M]`` int, tokens from the start of sequence n, in ``[1, L_n]``: the ``W - 1``
+      pre-conv rows before that offset (the conv state after ``offset`` tokens) are written.
+    checkpoint_slots: ``[M]`` int destination slots (-1: skip).
+    activation: ``"silu"`` or None.
+
+  Returns:
+    ``y [T, D]`` in x's dtype, and the new ``conv_pool`` (same shape and dtype; only the written slots
+    change).
+
+  Raises:
+    ValueError: on a bad shape, dtype or value (values are checked when they are concrete), or when one
+      slot would be written twice.
+  """
+  _check_common(x, weight, conv_pool, activation, {2: "[T, D]"})
+  num_tokens, num_slots = x.shape[0], conv_pool.shape[0]
+  _util.check_dtype("cu_seqlens", cu_seqlens, _util.INT_DTYPES)
+  if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 1:
+    raise ValueError(f"cu_seqlens must have shape (N + 1,), got {tuple(cu_seqlens.shape)}")
+  n = cu_seqlens.shape[0] - 1
+  cu = _util.concrete(cu_seqlens)
+  if cu is not None and (cu[0] != 0 or cu[-1] != num_tokens or np.any(np.diff(cu) < 0)):
+    raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={num_tokens}, "
+                     f"got {cu.tolist()}")
+  _util.check_shape("state_indices", state_indices, (n,))
+  _check_slots("state_indices", state_indices, num_slots)
+  _util.check_shape("has_initial_state", has_initial_state, (n,))
+  _util.check_dtype("has_initial_state", has_initial_state, (jnp.bool_,))
+
+  ckpt = (checkpoint_indptr, checkpoint_offsets, checkpoint_slots)
+  if any(c is not None for c in ckpt) and any(c is None for c in ckpt):
+    raise ValueError("checkpoint_indptr, checkpoint_offsets and checkpoint_slots go together: "
+                     f"got None for {[nm for nm, c in zip(('indptr', 'offsets', 'slots'), ckpt) if c is None]}")
+  if checkpoint_indptr is not None:
+    _util.check_dtype("checkpoint_indptr", checkpoint_indptr, _util.INT_DTYPES)
+    _util.check_shape("checkpoint_indptr", checkpoint_indptr, (n + 1,))
+    if checkpoint_offsets.ndim != 1:
+      raise ValueError(f"checkpoint_offsets must have shape (M,), got {tuple(checkpoint_offsets.shape)}")
+    m = checkpoint_offsets.shape[0]
+    _util.check_dtype("checkpoint_offsets", checkpoint_offsets, _util.INT_DTYPES)
+    _util.check_shape("checkpoint_slots", checkpoint_slots, (m,))
+    _check_slots("checkpoint_slots", checkpoint_slots, num_slots)
+    ip, off = _util.concrete(checkpoint_indptr), _util.concrete(checkpoint_offsets)
+    if ip is not None and (ip[0] != 0 or ip[-1] != m or np.any(np.diff(ip) < 0)):
+      raise ValueError(f"checkpoint_indptr must start at 0, be non-decreasing and end at M={m}, "
+                       f"got {ip.tolist()}")
+    if ip is not None and off is not None and cu is not None and m:
+      lens = np.repeat(np.diff(cu), np.diff(ip))
+      bad = (off < 1) | (off > lens)
+      if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"checkpoint_offsets must be in [1, L_n] of their sequence: entry {i} is {off[i]} "
+                         f"for a sequence of length {lens[i]}")
+  _check_distinct_writes([("state_indices", _util.concrete(state_indices))]
+                         + ([("checkpoint_slots", _util.concrete(checkpoint_slots))]
+                            if checkpoint_slots is not None else []))
+
+  return _prefill(x, weight, cu_seqlens, conv_pool, state_indices, has_initial_state, checkpoint_indptr,
+                  checkpoint_offsets, checkpoint_slots, activation=activation)
+
+
+@functools.partial(jax.jit, static_argnames=("activation",))
+def _prefill(x, weight, cu_seqlens, conv_pool, state_indices, has_initial_state, checkpoint_indptr,
+             checkpoint_offsets, checkpoint_slots, *, activation):
+  """Jitted body of ``short_conv_prefill`` (inputs validated)."""
+  num_tokens, n, width = x.shape[0], state_indices.shape[0], weight.shape[1]
+  hist_len = width - 1
+  starts = cu_seqlens[:-1].astype(jnp.int32)
+  lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).astype(jnp.int32)
+  read = has_initial_state & (state_indices >= 0)
+  init = jnp.where(read[:, None, None], conv_pool[jnp.clip(state_indices, 0)].astype(jnp.float32), 0.0)
+  xf = x.astype(jnp.float32)
+
+  def history(seq: jax.Array, pos: jax.Array) -> jax.Array:
+    """Pre-conv row at position ``pos`` (may be negative: the state) of sequence ``seq``; f32 [..., D]."""
+    from_x = xf[jnp.clip(starts[seq] + pos, 0, max(num_tokens - 1, 0))] if num_tokens else 0.0
+    from_state = init[seq, jnp.clip(pos + hist_len, 0, hist_len - 1)]
+    return jnp.where((pos >= 0)[..., None], from_x, from_state)
+
+  def state_before(seq: jax.Array, offset: jax.Array) -> jax.Array:
+    """The ``W - 1`` rows before ``offset`` tokens of ``seq``: the conv state after them, [..., W-1, D]."""
+    return history(seq[..., None], offset[..., None] + jnp.arange(-hist_len, 0))
+
+  tok = jnp.arange(num_tokens)
+  tok_seq = jnp.searchsorted(cu_seqlens[1:], tok, side="right").astype(jnp.int32)
+  tok_pos = tok - starts[tok_seq]
+  windows = history(tok_seq[:, None], tok_pos[:, None] + jnp.arange(-hist_len, 1))
+  y = _conv(windows, weight, activation).astype(x.dtype)
+
+  new_pool = _scatter_rows(conv_pool, jnp.where(lengths > 0, state_indices, -1),
+                           state_before(jnp.arange(n), lengths))
+  if checkpoint_indptr is not None and checkpoint_offsets.shape[0]:
+    ck_seq = jnp.searchsorted(checkpoint_indptr[1:], jnp.arange(checkpoint_offsets.shape[0]),
+                              side="right").astype(jnp.int32)
+    new_pool = _scatter_rows(new_pool, checkpoint_slots,
+                             state_before(ck_seq, checkpoint_offsets.astype(jnp.int32)))
+  return y, new_pool
+
+
+def short_conv_update(x: jax.Array, weight: jax.Array, *, conv_pool: jax.Array, state_indices: jax.Array,
+                      num_accepted: jax.Array | None = None,
+                      activation: str | None = "silu") -> tuple[jax.Array, jax.Array]:
+  """Decode step(s) of the causal depthwise conv on conv pool slots.
+
+  Two forms, as ``kda_decode``:
+  * one token: ``x [N, D]``, ``state_indices [N]``: the window is read from the slot and the window after
+    the token written back to it;
+  * speculative verify: ``x [N, 1 + S, D]``, ``state_indices [N, 1 + S]``, ``num_accepted [N]`` in
+    ``[1, 1 + S]``: the window is read from column ``num_accepted[n] - 1`` and the window after token t
+    is written to column t (-1 entries there: not written), so a verifier can roll back.
+  A row whose read slot is -1 outputs 0 and reads and writes nothing.
+
+  Args:
+    x: ``[N, D]`` or ``[N, 1 + S, D]`` pre-conv rows, f32/bf16/f16.
+    weight: ``[D, W]`` taps, oldest first.
+    conv_pool: ``[P, W - 1, D]`` (layout in the module docstring), any float dtype (kept).
+    state_indices: ``[N]`` or ``[N, 1 + S]`` int, in ``[-1, P)``.
+    num_accepted: ``[N]`` int, required with (and only with) the speculative form.
+    activation: ``"silu"`` or None.
+
+  Returns:
+    ``y`` (x's shape and dtype) and the new ``conv_pool`` (same shape and dtype).
+
+  Raises:
+    ValueError: on a bad shape, dtype or value (values are checked when they are concrete), or when one
+      slot would be written twice.
+  """
+  speculative = x.ndim == 3
+  _check_common(x, weight, conv_pool, activation, {2: "[N, D]", 3: "[N, 1 + S, D]"})
+  n, num_slots = x.shape[0], conv_pool.shape[0]
+  _util.check_shape("state_indices", state_indices, x.shape[:-1])
+  _check_slots("state_indices", state_indices, num_slots)
+  if speculative:
+    if num_accepted is None:
+      raise ValueError("num_accepted [N] is required with the speculative form (x of rank 3)")
+    _util.check_shape("num_accepted", num_accepted, (n,))
+    _util.check_dtype("num_accepted", num_accepted, _util.INT_DTYPES)
+    acc = _util.concrete(num_accepted)
+    if acc is not None and acc.size and (acc.min() < 1 or acc.max() > x.shape[1]):
+      raise ValueError(f"num_accepted must be in [1, {x.shape[1]}], got values in [{acc.min()}, {acc.max()}]")
+  else:
+    if num_accepted is not None:
+      raise ValueError("num_accepted is only valid with the speculative form (x of rank 3)")
+    x, state_indices = x[:, None], state_indices[:, None]
+    num_accepted = jnp.ones((n,), jnp.int32)
+  _check_distinct_writes([("state_indices", _util.concrete(state_indices))])
+
+  y, new_pool = _update(x, weight, conv_pool, state_indices, num_accepted, activation=activation)
+  return (y if speculative else y[:, 0]), new_pool
+
+
+@functools.partial(jax.jit, static_argnames=("activation",))
+def _update(x, weight, conv_pool, state_indices, num_accepted, *, activation):
+  """Jitted body of ``short_conv_update`` in the speculative form (inputs validated)."""
+  n, width = x.shape[0], weight.shape[1]
+  hist_len, steps = width - 1, x.shape[1]
+  read_slot = jnp.take_along_axis(state_indices, (num_accepted - 1)[:, None].astype(jnp.int32), axis=1)[:, 0]
+  live = read_slot >= 0
+  init = conv_pool[jnp.clip(read_slot, 0)].astype(jnp.float32)
+  hist = jnp.concatenate([init, x.astype(jnp.float32)], axis=1)  # [N, W - 1 + 1 + S, D]
+  windows = jnp.stack([hist[:, t:t + width] for t in range(steps)], axis=1)  # [N, 1 + S, W, D]
+  y = jnp.where(live[:, None, None], _conv(windows, weight, activation), 0.0).astype(x.dtype)
+  states = windows[:, :, 1:]  # the window after token t, minus the oldest row: [N, 1 + S, W - 1, D]
+  write = jnp.where(live[:, None], state_indices, -1)
+  new_pool = _scatter_rows(conv_pool, write.reshape(-1), states.reshape(n * steps, hist_len, -1))
+  return y, new_pool

@@ -1,0 +1,279 @@
+"""short_conv_prefill / short_conv_update against a float64 NumPy oracle, and against each other."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda.short_conv import short_conv_prefill, short_conv_update
+
+W, D, P = 4, 24, 12
+POISON = 1e30
+
+
+def _silu(x):
+  return x / (1.0 + np.exp(-x))
+
+
+def _oracle(x, weight, lengths, pool, slots, has_init, ckpts=(), activation="silu"):
+  """Float64 loop over sequences. ``ckpts``: (sequence, offset, slot). Returns (y, new pool)."""
+  x, w, pool = np.asarray(x, np.float64), np.asarray(weight, np.float64), np.asarray(pool, np.float64)
+  new_pool, y, start = pool.copy(), np.zeros_like(x), 0
+  hists = []
+  for n, length in enumerate(lengths):
+    prefix = pool[slots[n]] if has_init[n] and slots[n] >= 0 else np.zeros((W - 1, x.shape[1]))
+    hist = np.concatenate([prefix, x[start:start + length]])
+    hists.append(hist)
+    for t in range(length):
+      acc = sum(w[:, i] * hist[t + i] for i in range(W))
+      y[start + t] = _silu(acc) if activation == "silu" else acc
+    if slots[n] >= 0 and length > 0:
+      new_pool[slots[n]] = hist[length:length + W - 1]
+    start += length
+  for n, offset, slot in ckpts:
+    if slot >= 0:
+      new_pool[slot] = hists[n][offset:offset + W - 1]
+  return y, new_pool
+
+
+def _random(key, t, d=D, dtype=jnp.float32, pool_dtype=jnp.float32):
+  kx, kw, kp = jax.random.split(key, 3)
+  # Projection outputs of unit scale; taps of a short conv are O(1/sqrt(W)).
+  x = jax.random.normal(kx, (t, d), jnp.float32).astype(dtype)
+  weight = (jax.random.normal(kw, (d, W), jnp.float32) / 2).astype(dtype)
+  pool = jax.random.normal(kp, (P, W - 1, d), jnp.float32).astype(pool_dtype)
+  return x, weight, pool
+
+
+def _cu(lengths):
+  return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+
+
+# f32 inputs: the only rounding is the f32 sum of W products and the SiLU, ~1e-6 relative at |y| ~ 3.
+F32_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_prefill_matches_oracle_varlen_with_checkpoints(pool_dtype):
+  lengths = [0, 1, 2, 3, 5, 17, 9]
+  slots = [3, 5, -1, 0, 7, 1, 2]
+  has_init = [True, True, True, False, True, True, True]
+  # (sequence, offset, slot): offsets < W - 1 combine state and new rows; offset == L equals the final state.
+  ckpts = [(1, 1, 9), (3, 2, 10), (5, 16, 11), (5, 4, -1), (6, 9, 4)]
+  x, weight, pool = _random(jax.random.key(1), sum(lengths), pool_dtype=pool_dtype)
+  pool = pool.at[jnp.asarray([6, 8])].set(POISON)
+  indptr = np.searchsorted([c[0] for c in ckpts], np.arange(len(lengths) + 1), side="left")
+  y, new_pool = short_conv_prefill(
+      x, weight, cu_seqlens=_cu(lengths), conv_pool=pool, state_indices=jnp.asarray(slots, jnp.int32),
+      has_initial_state=jnp.asarray(has_init), checkpoint_indptr=jnp.asarray(indptr, jnp.int32),
+      checkpoint_offsets=jnp.asarray([c[1] for c in ckpts], jnp.int32),
+      checkpoint_slots=jnp.asarray([c[2] for c in ckpts], jnp.int32))
+  y_ref, pool_ref = _oracle(x, weight, lengths, np.asarray(pool.astype(jnp.float32)), slots, has_init, ckpts)
+  assert y.shape == x.shape and y.dtype == x.dtype
+  assert new_pool.shape == pool.shape and new_pool.dtype == pool.dtype
+  # The state enters in the pool dtype and is exact in f32 either way, so f32 tolerances hold for bf16 too.
+  np.testing.assert_allclose(np.asarray(y), y_ref, **F32_TOL)
+  # Conv states are raw rows moved around (rounded once to the pool dtype): exact. The slot of the
+  # length-0 sequence (3) and the poisoned untouched slots (6, 8) are bitwise unchanged.
+  np.testing.assert_array_equal(np.asarray(new_pool), np.asarray(jnp.asarray(pool_ref, pool_dtype)))
+  np.testing.assert_array_equal(np.asarray(new_pool[3]), np.asarray(pool[3]))  # length-0 sequence
+  np.testing.assert_array_equal(np.asarray(new_pool[jnp.asarray([6, 8])]), np.asarray(pool[jnp.asarray([6, 8])]))
+
+
+def test_conv_states_are_the_raw_input_rows_bitwise():
+  lengths = [7, 2]
+  x, weight, pool = _random(jax.random.key(2), 9, dtype=jnp.bfloat16, pool_dtype=jnp.bfloat16)
+  _, new_pool = short_conv_prefill(
+      x, weight, cu_seqlens=_cu(lengths), conv_pool=pool, state_indices=jnp.asarray([4, 5], jnp.int32),
+      has_initial_state=jnp.asarray([True, True]), checkpoint_indptr=jnp.asarray([0, 1, 1], jnp.int32),
+      checkpoint_offsets=jnp.asarray([5], jnp.int32), checkpoint_slots=jnp.asarray([6], jnp.int32))
+  np.testing.assert_array_equal(np.asarray(new_pool[4]), np.asarray(x[4:7]))
+  np.testing.assert_array_equal(np.asarray(new_pool[6]), np.asarray(x[2:5]))
+  # Length 2 < W - 1: the newest old row of slot 5 then the two new rows.
+  np.testing.assert_array_equal(np.asarray(new_pool[5]),
+                                np.concatenate([np.asarray(pool[5, 2:]), np.asarray(x[7:9])]))
+
+
+def test_prefill_without_activation_and_under_jit():
+  lengths = [6, 3]
+  x, weight, pool = _random(jax.random.key(3), 9)
+  slots, has_init = [2, 8], [True, False]
+  f = jax.jit(lambda x, cu, s, h: short_conv_prefill(x, weight, cu_seqlens=cu, conv_pool=pool, state_indices=s,
+                                                       has_initial_state=h, activation=None))
+  y, new_pool = f(x, _cu(lengths), jnp.asarray(slots, jnp.int32), jnp.asarray(has_init))
+  y_ref, pool_ref = _oracle(x, weight, lengths, pool, slots, has_init, activation=None)
+  np.testing.assert_allclose(np.asarray(y), y_ref, **F32_TOL)
+  np.testing.assert_array_equal(np.asarray(new_pool), pool_ref.astype(np.float32))
+
+
+@pytest.mark.parametrize("j", [1, 2, 5])
+def test_prefill_equals_shorter_prefill_then_updates(j):
+  lengths = [11, 8]
+  x, weight, pool = _random(jax.random.key(4), sum(lengths))
+  slots = jnp.asarray([1, 6], jnp.int32)
+  has_init = jnp.asarray([True, False])
+  y_full, pool_full = short_conv_prefill(x, weight, cu_seqlens=_cu(lengths), conv_pool=pool,
+                                         state_indices=slots, has_initial_state=has_init)
+  short = [length - j for length in lengths]
+  keep = np.concatenate([np.arange(0, short[0]), np.arange(lengths[0], lengths[0] + short[1])])
+  y_part, p = short_conv_prefill(x[keep], weight, cu_seqlens=_cu(short), conv_pool=pool,
+                                 state_indices=slots, has_initial_state=has_init)
+  ys = [y_part]
+  for i in range(j):
+    rows = jnp.asarray([short[0] + i, lengths[0] + short[1] + i])
+    y_step, p = short_conv_update(x[rows], weight, conv_pool=p, state_indices=slots)
+    ys.append(y_step)
+  # Same f32 arithmetic on the same rows in both paths: bitwise equal.
+  np.testing.assert_array_equal(np.asarray(p), np.asarray(pool_full))
+  order = np.concatenate([keep, [short[0] + i for i in range(j)] + [lengths[0] + short[1] + i for i in range(j)]])
+  stepped = np.concatenate([np.asarray(ys[0])] + [np.asarray(s)[0:1] for s in ys[1:]]
+                           + [np.asarray(s)[1:2] for s in ys[1:]])
+  got = np.empty_like(stepped)
+  got[order] = stepped
+  np.testing.assert_allclose(got, np.asarray(y_full), rtol=1e-6, atol=1e-6)
+
+
+def test_update_matches_oracle_slot_minus_one_and_poison():
+  x, weight, pool = _random(jax.random.key(5), 4, pool_dtype=jnp.bfloat16)
+  pool = pool.at[jnp.asarray([0, 11])].set(POISON)
+  slots = [3, -1, 7, 2]
+  y, new_pool = short_conv_update(x, weight, conv_pool=pool, state_indices=jnp.asarray(slots, jnp.int32))
+  assert y.shape == (4, D) and y.dtype == jnp.float32 and new_pool.dtype == jnp.bfloat16
+  pf = np.asarray(pool.astype(jnp.float32))
+  y_ref, pool_ref = _oracle(x, weight, [1] * 4, pf, slots, [True] * 4)
+  y_ref[1] = 0.0  # decode: a slot -1 row outputs exactly 0 (prefill instead convolves a zero history)
+  np.testing.assert_allclose(np.asarray(y), y_ref, **F32_TOL)
+  np.testing.assert_array_equal(np.asarray(new_pool), np.asarray(jnp.asarray(pool_ref, jnp.bfloat16)))
+  untouched = jnp.asarray([0, 1, 4, 5, 6, 8, 9, 10, 11])
+  np.testing.assert_array_equal(np.asarray(new_pool[untouched]), np.asarray(pool[untouched]))
+
+
+def test_speculative_rollback_equals_replay_of_accepted_prefix():
+  n, steps = 3, 4  # 1 + S = 4
+  kx, kw, kp, kx2 = jax.random.split(jax.random.key(6), 4)
+  _, weight, pool = _random(kp, 1)
+  draft = jax.random.normal(kx, (n, steps, D), jnp.float32)
+  cols = jnp.asarray([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], jnp.int32)
+  start = jnp.asarray([1, 2, 4], jnp.int32)  # first verify: read column 0, 1, 3
+  pool = pool.at[cols[:, 0]].set(pool[cols[0, 0]])  # any valid states in the read columns
+  y, p1 = short_conv_update(draft, weight, conv_pool=pool, state_indices=cols, num_accepted=start)
+  assert y.shape == draft.shape and y.dtype == draft.dtype
+  # Oracle: replay every draft row after the read column's state.
+  pf = np.asarray(pool, np.float64)
+  for r in range(n):
+    read = int(cols[r, start[r] - 1])
+    y_ref, replay = _oracle(draft[r], weight, [steps], pf, [read], [True])
+    np.testing.assert_allclose(np.asarray(y[r]), y_ref, **F32_TOL)
+    np.testing.assert_array_equal(np.asarray(p1[cols[r, -1]]), replay[read].astype(np.float32))
+  # Accept a prefix of length a; the next verify reads column a - 1 and must equal a replay of the first a
+  # draft tokens followed by the next draft tokens, bitwise.
+  accepted = jnp.asarray([1, 3, 4], jnp.int32)
+  nxt = jax.random.normal(kx2, (n, steps, D), jnp.float32)
+  y2, p2 = short_conv_update(nxt, weight, conv_pool=p1, state_indices=cols, num_accepted=accepted)
+  for r in range(n):
+    a = int(accepted[r])
+    one = jnp.asarray([cols[r, start[r] - 1]], jnp.int32)
+    q = pool
+    for t in range(a):
+      _, q = short_conv_update(draft[r:r + 1, t], weight, conv_pool=q, state_indices=one)
+    ys = []
+    for t in range(steps):
+      yt, q = short_conv_update(nxt[r:r + 1, t], weight, conv_pool=q, state_indices=one)
+      ys.append(yt[0])
+    np.testing.assert_allclose(np.asarray(y2[r]), np.stack(ys), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(p2[cols[r, -1]]), np.asarray(q[one[0]]))
+
+
+def test_speculative_minus_one_read_slot_and_skipped_columns():
+  x, weight, pool = _random(jax.random.key(7), 1)
+  pool = pool.at[:].set(POISON)
+  draft = jax.random.normal(jax.random.key(8), (2, 3, D), jnp.float32)
+  cols = jnp.asarray([[-1, 1, 2], [3, -1, 5]], jnp.int32)
+  pool = pool.at[3].set(x[0, 0])
+  y, new_pool = short_conv_update(draft, weight, conv_pool=pool, state_indices=cols,
+                                  num_accepted=jnp.asarray([1, 1], jnp.int32))
+  np.testing.assert_array_equal(np.asarray(y[0]), 0.0)  # read slot -1: output 0, nothing written
+  assert np.isfinite(np.asarray(y[1])).all()
+  changed = [3, 5]
+  unchanged = [i for i in range(P) if i not in changed]
+  np.testing.assert_array_equal(np.asarray(new_pool[jnp.asarray(unchanged)]), np.asarray(pool[jnp.asarray(unchanged)]))
+  np.testing.assert_array_equal(np.asarray(new_pool[5]), np.asarray(draft[1]))
+
+
+def _prefill_args(**over):
+  x, weight, pool = _random(jax.random.key(9), 6)
+  args = dict(x=x, weight=weight, cu_seqlens=_cu([4, 2]), conv_pool=pool,
+              state_indices=jnp.asarray([0, 1], jnp.int32), has_initial_state=jnp.asarray([True, True]),
+              checkpoint_indptr=jnp.asarray([0, 1, 1], jnp.int32), checkpoint_offsets=jnp.asarray([2], jnp.int32),
+              checkpoint_slots=jnp.asarray([5], jnp.int32))
+  args.update(over)
+  return args
+
+
+def _call_prefill(args):
+  args = dict(args)
+  return short_conv_prefill(args.pop("x"), args.pop("weight"), **args)
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(x=jnp.zeros((6,), jnp.float32)), r"x must have shape \[T, D\], got \(6,\)"),
+    (dict(x=jnp.zeros((6, D), jnp.int32)), r"x must have dtype"),
+    (dict(weight=jnp.zeros((D, 1))), r"weight must have shape \(24, W\) with W >= 2"),
+    (dict(weight=jnp.zeros((D + 1, W))), r"weight must have shape"),
+    (dict(conv_pool=jnp.zeros((P, W, D))), r"conv_pool must have shape \('\*', 3, 24\)"),
+    (dict(conv_pool=jnp.zeros((P, W - 1, D), jnp.int32)), r"conv_pool must have dtype"),
+    (dict(cu_seqlens=jnp.asarray([0, 4, 6], jnp.float32)), r"cu_seqlens must have dtype"),
+    (dict(cu_seqlens=jnp.asarray([0, 4, 5], jnp.int32)), r"end at T=6"),
+    (dict(cu_seqlens=jnp.asarray([1, 4, 6], jnp.int32)), r"start at 0"),
+    (dict(cu_seqlens=jnp.asarray([0, 7, 6], jnp.int32)), r"non-decreasing"),
+    (dict(state_indices=jnp.asarray([0], jnp.int32)), r"state_indices must have shape \(2,\)"),
+    (dict(state_indices=jnp.asarray([0, P], jnp.int32)), r"state_indices must be in \[-1, 12\)"),
+    (dict(state_indices=jnp.asarray([-2, 1], jnp.int32)), r"state_indices must be in"),
+    (dict(state_indices=jnp.asarray([1, 1], jnp.int32)), r"slot 1 is written twice"),
+    (dict(checkpoint_slots=jnp.asarray([0], jnp.int32)), r"slot 0 is written twice"),
+    (dict(has_initial_state=jnp.asarray([1, 1], jnp.int32)), r"has_initial_state must have dtype"),
+    (dict(has_initial_state=jnp.asarray([True])), r"has_initial_state must have shape"),
+    (dict(checkpoint_slots=None), r"go together"),
+    (dict(checkpoint_indptr=jnp.asarray([0, 1], jnp.int32)), r"checkpoint_indptr must have shape \(3,\)"),
+    (dict(checkpoint_indptr=jnp.asarray([0, 1, 2], jnp.int32)), r"end at M=1"),
+    (dict(checkpoint_offsets=jnp.asarray([[2]], jnp.int32)), r"checkpoint_offsets must have shape \(M,\)"),
+    (dict(checkpoint_offsets=jnp.asarray([2.0])), r"checkpoint_offsets must have dtype"),
+    (dict(checkpoint_offsets=jnp.asarray([5], jnp.int32)), r"entry 0 is 5 for a sequence of length 4"),
+    (dict(checkpoint_offsets=jnp.asarray([0], jnp.int32)), r"in \[1, L_n\]"),
+    (dict(checkpoint_slots=jnp.asarray([5, 6], jnp.int32)), r"checkpoint_slots must have shape \(1,\)"),
+    (dict(checkpoint_slots=jnp.asarray([P], jnp.int32)), r"checkpoint_slots must be in"),
+])
+def test_prefill_validation(over, match):
+  with pytest.raises(ValueError, match=match):
+    _call_prefill(_prefill_args(**over))
+
+
+def test_prefill_activation_validation():
+  with pytest.raises(ValueError, match=r"activation must be one of \('silu', None\), got 'relu'"):
+    short_conv_prefill(**_prefill_args(), activation="relu")
+
+
+@pytest.mark.parametrize("x_shape, idx, acc, match", [
+    ((3, D), [[0], [1], [2]], None, r"state_indices must have shape \(3,\)"),
+    ((3, D), [0, 1, 2], [1, 1, 1], r"num_accepted is only valid with the speculative form"),
+    ((3, D), [0, 1, P], None, r"state_indices must be in \[-1, 12\)"),
+    ((3, D), [0, 1, 1], None, r"slot 1 is written twice"),
+    ((3, 2, D), [[0, 1], [2, 3], [4, 5]], None, r"num_accepted \[N\] is required"),
+    ((3, 2, D), [[0, 1], [2, 3], [4, 5]], [1, 2, 3], r"num_accepted must be in \[1, 2\]"),
+    ((3, 2, D), [[0, 1], [2, 3], [4, 5]], [1, 2], r"num_accepted must have shape \(3,\)"),
+    ((3, 2, D), [0, 1, 2], [1, 1, 1], r"state_indices must have shape \(3, 2\)"),
+    ((3, 2, 2, D), [0, 1, 2], None, r"x must have shape \[N, D\] or \[N, 1 \+ S, D\]"),
+])
+def test_update_validation(x_shape, idx, acc, match):
+  _, weight, pool = _random(jax.random.key(10), 1)
+  acc = None if acc is None else jnp.asarray(acc, jnp.int32)
+  with pytest.raises(ValueError, match=match):
+    short_conv_update(jnp.ones(x_shape, jnp.float32), weight, conv_pool=pool,
+                      state_indices=jnp.asarray(idx, jnp.int32), num_accepted=acc)
+
+
+def test_update_num_accepted_dtype_validation():
+  _, weight, pool = _random(jax.random.key(11), 1)
+  with pytest.raises(ValueError, match=r"num_accepted must have dtype"):
+    short_conv_update(jnp.ones((1, 2, D)), weight, conv_pool=pool, state_indices=jnp.asarray([[0, 1]], jnp.int32),
+                      num_accepted=jnp.asarray([1.0]))
