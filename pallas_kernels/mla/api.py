@@ -1,39 +1,134 @@
 """Public MLA entry points: split-K absorbed decode over a paged latent cache, and the LSE merge."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _util
+from pallas_kernels.mla import reference
 from pallas_kernels.mla.config import MlaDecodeConfig
+
+LATENT_DIM = 512  # Dc: kv_lora_rank; V is the first Dc cache columns.
+ROPE_DIM = 64  # Dr
+PAGE_SIZE = 64
+NUM_SMS = 132  # H100/H200 SXM: the split heuristic assumes this machine, so CPU and GPU pick the same splits.
+ROW_TILE = 64  # query-head rows per kernel program (one wgmma M tile)
+MIN_PAGES_PER_SPLIT = 16  # spec mla.md §3.6: below ~1024 tokens a split's partial traffic rivals its KV bytes.
+
+
+def choose_num_splits(batch: int, num_heads: int, max_pages: int) -> int:
+  """Splits of the KV length for ``num_splits=None``, from static shapes only (spec ``mla.md`` §4.2-4.3).
+
+  The kernel runs one program per (64-head tile, split, sequence), about one per SM. With
+  ``programs = batch * ceil(num_heads / 64)``: no split when the programs already fill 80% of the SMs;
+  otherwise FlashAttention-2's wave-efficiency rule over ``s`` in ``[1, max_pages // 16]`` (a split covers
+  at least 16 pages, so its partial writes stay small next to its KV reads): the smallest ``s`` whose
+  efficiency ``waves / ceil(waves)`` (``waves = programs * s / 132``) is within 85% of the best.
+  """
+  programs = batch * _util.cdiv(num_heads, ROW_TILE)
+  max_splits = max(1, max_pages // MIN_PAGES_PER_SPLIT)
+  if programs >= 0.8 * NUM_SMS or max_splits == 1:
+    return 1
+
+  def efficiency(s):
+    waves = programs * s / NUM_SMS
+    return waves / _util.cdiv(programs * s, NUM_SMS)
+
+  best = max(efficiency(s) for s in range(1, max_splits + 1))
+  return next(s for s in range(1, max_splits + 1) if efficiency(s) >= 0.85 * best)
+
+
+def effective_num_splits(max_pages: int, num_splits: int) -> int:
+  """The splits that hold at least one page slot: ``num_splits`` clamped so that no split is empty by shape."""
+  return _util.cdiv(max_pages, reference.pages_per_split(max_pages, num_splits))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "partial_dtype", "impl"))
+def _mla_decode(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, partial_dtype, impl):
+  seq_lens = seq_lens.astype(jnp.int32)
+  if impl == "xla":
+    o_parts, lse_parts = reference.mla_decode_partials_reference(
+        q_abs, kv_cache, block_table, seq_lens, scale=scale, num_splits=num_splits,
+        partial_dtype=partial_dtype, latent_dim=LATENT_DIM)
+  else:
+    from pallas_kernels.mla import kernel  # noqa: PLC0415 (keeps Mosaic GPU out of the xla path's imports)
+    o_parts, lse_parts = kernel.mla_decode_partials_mosaic(
+        q_abs, kv_cache, block_table, seq_lens, scale=scale, num_splits=num_splits,
+        partial_dtype=partial_dtype, interpret=impl == "interpret")
+  return merge_partials(o_parts, lse_parts, out_dtype=q_abs.dtype)
 
 
 def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, seq_lens: jax.Array, *,
                scale: float, config: MlaDecodeConfig | None = None) -> tuple[jax.Array, jax.Array]:
   """Absorbed MLA decode, split along the KV length.
 
+  Each split of ``pages_per_split`` pages attends on its own (f32 online softmax), stores its normalised
+  partial in ``config.partial_dtype`` with an f32 LSE, and ``merge_partials`` combines the splits.
+
   Args:
-    q_abs: ``[B, Hq, Dc + Dr]`` (576 = 512 latent + 64 rope), absorbed queries.
-    kv_cache: ``[pages, 64, Dc + Dr]`` bf16 paged latent cache; V is its first ``Dc`` columns.
-    block_table: ``[B, max_pages]`` int32 page ids of each sequence.
-    seq_lens: ``[B]`` int32 tokens per sequence (0 allowed).
-    scale: softmax scale (required).
+    q_abs: ``[B, Hq, Dc + Dr]`` (576 = 512 latent + 64 rope), absorbed queries, f32/bf16/f16
+      (the kernels need bf16).
+    kv_cache: ``[pages, 64, Dc + Dr]`` paged latent cache (bf16; the xla path also takes f32/f16); V is its
+      first ``Dc`` columns. Rows past a sequence's length and unused pages may hold anything (NaN too).
+    block_table: ``[B, max_pages]`` int32 page ids of each sequence; ids of unused pages are ignored.
+    seq_lens: ``[B]`` int32 tokens per sequence, in ``[0, max_pages * 64]`` (0 allowed).
+    scale: softmax scale on ``q_abs . kv`` (required: ``192 ** -0.5`` for K3, not ``576 ** -0.5``).
     config: ``MlaDecodeConfig``.
 
   Returns:
     ``o [B, Hq, Dc]`` in q's dtype and ``lse [B, Hq]`` f32 (natural log); an empty sequence gives
     ``o = 0``, ``lse = -inf``.
+
+  Raises:
+    ValueError: malformed shapes, dtypes or (when concrete) ``seq_lens`` / used page ids out of range.
+    NotImplementedError: the kernels with a q or cache dtype other than bf16.
   """
-  raise NotImplementedError("mla_decode: filled in by [1/9]")
+  config = config or MlaDecodeConfig()
+  reference.validate_decode_inputs(q_abs, kv_cache, block_table, seq_lens, scale=scale,
+                                   latent_dim=LATENT_DIM, page_size=PAGE_SIZE)
+  _util.check_shape("q_abs", q_abs, (None, None, LATENT_DIM + ROPE_DIM))
+  if config.impl != "xla" and (q_abs.dtype != jnp.bfloat16 or kv_cache.dtype != jnp.bfloat16):
+    raise NotImplementedError(f"mla_decode impl={config.impl!r} needs bf16 q_abs and kv_cache, got "
+                              f"{jnp.dtype(q_abs.dtype).name} and {jnp.dtype(kv_cache.dtype).name}")
+  batch, num_heads, _ = q_abs.shape
+  max_pages = block_table.shape[1]
+  num_splits = config.num_splits or choose_num_splits(batch, num_heads, max_pages)
+  return _mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=float(scale),
+                     num_splits=effective_num_splits(max_pages, num_splits),
+                     partial_dtype=config.partial_dtype, impl=config.impl)
 
 
-def merge_partials(o_parts: jax.Array, lse_parts: jax.Array, *, out_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
-  """Sanitized log-sum-exp merge of ``S`` normalised partials.
+def merge_partials(o_parts: jax.Array, lse_parts: jax.Array, *,
+                   out_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+  """Sanitized log-sum-exp merge of ``S`` normalised partials (spec ``mla.md`` §3.4).
+
+  An LSE of NaN or ``+inf`` counts as an empty part, as does ``-inf``; an empty part contributes nothing,
+  whatever its ``o`` holds. All arithmetic is f32 and the output is rounded once, at the end.
 
   Args:
-    o_parts: ``[S, ..., Dc]`` normalised partial outputs (any float dtype).
+    o_parts: ``[S, ..., Dc]`` normalised partial outputs (f32/bf16/f16).
     lse_parts: ``[S, ...]`` f32 natural-log LSE; an empty part is ``(0, -inf)``.
     out_dtype: dtype of the merged output.
 
   Returns:
-    ``o [..., Dc]`` in ``out_dtype`` and ``lse [...]`` f32; an all-empty row gives ``(0, -inf)``.
+    ``o [..., Dc]`` in ``out_dtype`` and ``lse [...]`` f32; an all-empty row gives ``(0, -inf)``, never NaN.
   """
-  raise NotImplementedError("merge_partials: filled in by [1/9]")
+  _util.check_dtype("o_parts", o_parts, _util.FLOAT_DTYPES)
+  _util.check_dtype("lse_parts", lse_parts, (jnp.float32,))
+  out_dtype = _util.canonical_dtype("out_dtype", out_dtype, _util.FLOAT_DTYPES)
+  if o_parts.ndim < 2:
+    raise ValueError(f"o_parts must have shape (S, ..., Dc), got {tuple(o_parts.shape)}")
+  _util.check_shape("lse_parts", lse_parts, tuple(o_parts.shape[:-1]))
+  if o_parts.shape[0] < 1:
+    raise ValueError(f"o_parts must hold at least one part (S >= 1), got shape {tuple(o_parts.shape)}")
+  lse = jnp.where(jnp.isnan(lse_parts) | (lse_parts == jnp.inf), -jnp.inf, lse_parts)
+  top = jnp.max(lse, axis=0)
+  top = jnp.where(top == -jnp.inf, 0.0, top)
+  e = jnp.exp(lse - top)
+  total = jnp.sum(e, axis=0)
+  nonempty = total > 0
+  weights = e / jnp.where(nonempty, total, 1.0)
+  o = jnp.sum(jnp.where(weights[..., None] > 0, weights[..., None] * o_parts.astype(jnp.float32), 0.0), axis=0)
+  lse_out = jnp.where(nonempty, top + jnp.log(jnp.where(nonempty, total, 1.0)), -jnp.inf)
+  return o.astype(out_dtype), lse_out

@@ -1,0 +1,253 @@
+"""MLA decode references (unsplit and split-K, ``impl="xla"``) and ``merge_partials`` vs a float64 oracle."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mla import MlaDecodeConfig, api, merge_partials, mla_decode
+from pallas_kernels.mla.reference import mla_decode_partials_reference, mla_decode_reference
+from test_mla_oracle import LATENT, PAGE, ROPE, SCALE, hand_case, make_inputs, oracle, rel_l2
+
+LENS = [0, 1, 63, 64, 65, 200, 1000]
+
+
+def _xla(num_splits=None, partial_dtype=jnp.bfloat16):
+  return MlaDecodeConfig(num_splits=num_splits, partial_dtype=partial_dtype, impl="xla")
+
+
+def _check_outputs(o, lse, q):
+  assert o.shape == q.shape[:2] + (LATENT,) and o.dtype == q.dtype
+  assert lse.shape == q.shape[:2] and lse.dtype == jnp.float32
+  assert not np.isnan(np.asarray(o, np.float32)).any() and not np.isnan(np.asarray(lse)).any()
+
+
+def test_reference_hand_case():
+  (q, cache, table, lens), (o_want, lse_want) = hand_case()
+  o, lse = mla_decode_reference(q, cache, table, lens, scale=1.0, latent_dim=1)
+  assert o.shape == (3, 2, 1) and o.dtype == jnp.float32 and lse.dtype == jnp.float32
+  # rtol 1e-6: f32 arithmetic on O(1) numbers (a few roundings of 6e-8).
+  np.testing.assert_allclose(np.asarray(o), o_want, rtol=1e-6)
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_want))
+  np.testing.assert_allclose(np.asarray(lse), lse_want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("q_std", [0.3, 1.0, 3.0])
+def test_reference_matches_oracle_f32(q_std):
+  # q_std 0.3 / 1 / 3: diffuse to peaky attention (logit std 0.5 / 1.7 / 5).
+  args = make_inputs(1, LENS, num_heads=16, max_pages=17, q_std=q_std)
+  o, lse = mla_decode_reference(*args, scale=SCALE)
+  _check_outputs(o, lse, args[0])
+  o_ref, lse_ref = oracle(*args, scale=SCALE)
+  # atol 2e-5: f32 sums of <= 1000 terms of O(1) (the bf16 cache is exact in f32 and f64 alike).
+  np.testing.assert_allclose(np.asarray(o), o_ref, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(lse), lse_ref, atol=2e-5)
+  assert np.isneginf(np.asarray(lse[0])).all() and (np.asarray(o[0]) == 0).all()
+
+
+def test_reference_bf16_q_rounds_output_once():
+  args = make_inputs(2, LENS, num_heads=16, max_pages=17, q_dtype=jnp.bfloat16)
+  o, lse = mla_decode_reference(*args, scale=SCALE)
+  _check_outputs(o, lse, args[0])
+  o_ref, lse_ref = oracle(*args, scale=SCALE)
+  # One bf16 rounding of the output: half an ulp, 2^-8 relative, plus the f32 noise of the test above.
+  np.testing.assert_array_less(np.abs(np.asarray(o, np.float64) - o_ref), 2.0 ** -8 * np.abs(o_ref) + 2e-5)
+  np.testing.assert_allclose(np.asarray(lse), lse_ref, atol=2e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 33, 64])
+def test_split_k_f32_partials_equal_unsplit(num_splits):
+  args = make_inputs(3, [4096, 4001, 1000, 0], num_heads=16, max_pages=64)
+  o, lse = mla_decode(*args, scale=SCALE, config=_xla(num_splits, jnp.float32))
+  _check_outputs(o, lse, args[0])
+  o_ref, lse_ref = mla_decode_reference(*args, scale=SCALE)
+  # atol 1e-5: f32 partials and an f32 merge differ from one f32 softmax only by f32 rounding.
+  np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=1e-5)
+  assert np.isneginf(np.asarray(lse[3])).all() and (np.asarray(o[3]) == 0).all()
+
+
+@pytest.mark.parametrize("num_splits", [3, 64])
+def test_split_k_bf16_partials_within_one_partial_rounding(num_splits):
+  args = make_inputs(4, [4096, 3000, 65], num_heads=16, max_pages=64)
+  o, lse = mla_decode(*args, scale=SCALE, config=_xla(num_splits, jnp.bfloat16))
+  _check_outputs(o, lse, args[0])
+  o_ref, lse_ref = mla_decode_reference(*args, scale=SCALE)
+  o_parts, _ = jax.jit(functools.partial(mla_decode_partials_reference, scale=SCALE, num_splits=num_splits,
+                                         partial_dtype=jnp.float32))(*args)
+  # Each partial is rounded once to bf16 (2^-8 relative) and the weights sum to 1, so the merged error is
+  # at most 2^-8 * max_j |o_j| per element; the LSE stays f32.
+  bound = 2.0 ** -8 * np.abs(np.asarray(o_parts)).max(axis=0) + 1e-5
+  np.testing.assert_array_less(np.abs(np.asarray(o) - np.asarray(o_ref)), bound)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=1e-5)
+
+
+def test_f32_partials_closer_to_oracle_than_bf16_partials():
+  # Diffuse attention (q_std 0.3) over 16 splits: split averages cancel, the case where bf16 partials hurt.
+  args = make_inputs(5, [4096, 4096], num_heads=16, max_pages=64, q_std=0.3)
+  o_ref, _ = oracle(*args, scale=SCALE)
+  err = {dt: rel_l2(mla_decode(*args, scale=SCALE, config=_xla(16, dt))[0], o_ref)
+         for dt in (jnp.float32, jnp.bfloat16)}
+  print(f"relative L2 error vs f64: f32 partials {err[jnp.float32]:.2e}, bf16 partials {err[jnp.bfloat16]:.2e}")
+  assert err[jnp.float32] < 1e-5 < err[jnp.bfloat16]
+
+
+def test_empty_sequences_give_zero_and_neg_inf():
+  args = make_inputs(6, [0, 0, 0], num_heads=16, max_pages=4)
+  for config in (_xla(1), _xla(4, jnp.float32)):
+    o, lse = mla_decode(*args, scale=SCALE, config=config)
+    _check_outputs(o, lse, args[0])
+    assert (np.asarray(o) == 0).all() and np.isneginf(np.asarray(lse)).all()
+
+
+def test_far_apart_out_of_order_pages_and_nan_padding():
+  # 1024 pages, used ids drawn at random from [600, 1024) in random order; everything else is NaN.
+  args = make_inputs(7, [130, 64, 700], num_heads=16, max_pages=12, num_pages=1024, first_page=600)
+  table = np.asarray(args[2])
+  assert (np.diff(table[2, :11]) < 0).any() and np.ptp(table[2, :11]) > 100
+  o_ref, lse_ref = oracle(*args, scale=SCALE)
+  for o, lse in (mla_decode_reference(*args, scale=SCALE),
+                 mla_decode(*args, scale=SCALE, config=_xla(5, jnp.float32))):
+    _check_outputs(o, lse, args[0])
+    # atol 2e-5: as in test_reference_matches_oracle_f32.
+    np.testing.assert_allclose(np.asarray(o), o_ref, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), lse_ref, atol=2e-5)
+
+
+def test_mla_decode_under_jit_with_traced_lengths():
+  args = make_inputs(8, [100, 0], num_heads=16, max_pages=3)
+  f = jax.jit(lambda *a: mla_decode(*a, scale=SCALE, config=_xla(2, jnp.float32)))
+  o, lse = f(*args)
+  o_ref, lse_ref = mla_decode_reference(*args, scale=SCALE)
+  np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=1e-5)
+
+
+def _merge_oracle(o_parts, lse_parts):
+  o_parts, lse_parts = np.asarray(o_parts, np.float64), np.asarray(lse_parts, np.float64)
+  lse_parts = np.where(np.isnan(lse_parts) | (lse_parts == np.inf), -np.inf, lse_parts)
+  lse = np.logaddexp.reduce(lse_parts, axis=0)
+  with np.errstate(invalid="ignore"):
+    w = np.where(np.isneginf(lse_parts), 0.0, np.exp(lse_parts - lse))
+  return np.sum(np.where(w[..., None] > 0, w[..., None] * o_parts, 0.0), axis=0), lse
+
+
+def test_merge_partials_hand_case():
+  # Parts (o, lse) = (1, 0), (3, ln 3), an empty (0, -inf) and an unwritten (NaN, NaN): weights 1/4, 3/4,
+  # 0, 0, so o = 1/4 + 9/4 = 2.5 and lse = ln 4. Row 2 has only empty parts: (0, -inf).
+  nan = np.nan
+  o_parts = jnp.array([[[1.0], [0.0]], [[3.0], [0.0]], [[0.0], [nan]], [[nan], [nan]]], jnp.float32)
+  lse_parts = jnp.array([[0.0, -np.inf], [np.log(3), -np.inf], [-np.inf, np.inf], [nan, nan]], jnp.float32)
+  o, lse = merge_partials(o_parts, lse_parts, out_dtype=jnp.float32)
+  assert o.shape == (2, 1) and o.dtype == jnp.float32 and lse.shape == (2,) and lse.dtype == jnp.float32
+  # rtol 1e-6: a handful of f32 roundings.
+  np.testing.assert_allclose(np.asarray(o), [[2.5], [0.0]], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(lse), [np.log(4), -np.inf], rtol=1e-6)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_merge_partials_matches_oracle_with_empty_parts(out_dtype):
+  rng = np.random.default_rng(9)
+  o_parts = rng.standard_normal((6, 3, 4, 32)).astype(np.float32)
+  lse_parts = (rng.standard_normal((6, 3, 4)) * 5).astype(np.float32)
+  lse_parts[rng.random((6, 3, 4)) < 0.3] = -np.inf
+  lse_parts[:, 1, 2] = -np.inf  # an all-empty row
+  o_parts[lse_parts == -np.inf] = 0.0
+  o, lse = merge_partials(jnp.asarray(o_parts, jnp.bfloat16), jnp.asarray(lse_parts), out_dtype=out_dtype)
+  assert o.shape == (3, 4, 32) and o.dtype == out_dtype and lse.shape == (3, 4) and lse.dtype == jnp.float32
+  o_ref, lse_ref = _merge_oracle(jnp.asarray(o_parts, jnp.bfloat16).astype(jnp.float32), lse_parts)
+  # f32 merge of bf16-exact parts: 1e-5 of f32 noise, plus half a bf16 ulp (2^-8 relative) when rounding to bf16.
+  rtol = 2.0 ** -8 if out_dtype == jnp.bfloat16 else 0.0
+  np.testing.assert_array_less(np.abs(np.asarray(o, np.float64) - o_ref), rtol * np.abs(o_ref) + 1e-5)
+  np.testing.assert_allclose(np.asarray(lse), lse_ref, atol=1e-5)
+  assert (np.asarray(o[1, 2]) == 0).all() and np.isneginf(np.asarray(lse[1, 2]))
+
+
+@pytest.mark.parametrize(("batch", "num_heads", "max_pages", "want"), [
+    (1, 16, 64, 4),  # 4K context: capped at 64 // 16 pages per split
+    (1, 16, 2048, 109),  # 128K: 109 programs reach 85% of the best wave efficiency
+    (32, 16, 512, 4),  # 128 of 132 SMs
+    (32, 128, 512, 2),  # two 64-head tiles per sequence
+    (128, 16, 2048, 1),  # the batch fills the machine
+    (4, 16, 15, 1),  # under 16 pages: never split
+])
+def test_choose_num_splits(batch, num_heads, max_pages, want):
+  assert api.choose_num_splits(batch, num_heads, max_pages) == want
+
+
+def test_effective_num_splits_has_no_empty_split():
+  for max_pages in (1, 5, 64, 100):
+    for s in range(1, 70):
+      eff = api.effective_num_splits(max_pages, s)
+      pps = -(-max_pages // s)
+      assert eff <= s and (eff - 1) * pps < max_pages <= eff * pps
+
+
+def _bad(args, **changes):
+  names = ("q_abs", "kv_cache", "block_table", "seq_lens")
+  d = dict(zip(names, args))
+  d.update(changes)
+  return [d[n] for n in names]
+
+
+_ARGS = make_inputs(10, [70, 5], num_heads=16, max_pages=3)
+
+
+@pytest.mark.parametrize(("changes", "scale", "match"), [
+    ({}, "x", "scale must be a finite positive"),
+    ({}, float("nan"), "scale must be a finite positive"),
+    ({}, 0.0, "scale must be a finite positive"),
+    ({"q_abs": _ARGS[0].astype(jnp.int32)}, SCALE, "q_abs must have dtype"),
+    ({"kv_cache": _ARGS[1].astype(jnp.int8)}, SCALE, "kv_cache must have dtype"),
+    ({"block_table": _ARGS[2].astype(jnp.float32)}, SCALE, "block_table must have dtype"),
+    ({"seq_lens": _ARGS[3].astype(jnp.float32)}, SCALE, "seq_lens must have dtype"),
+    ({"q_abs": _ARGS[0][0]}, SCALE, r"q_abs must have shape \(B, Hq, Dc \+ Dr\)"),
+    ({"q_abs": _ARGS[0][..., :LATENT]}, SCALE, "q_abs last dim must be Dc"),
+    ({"q_abs": jnp.pad(_ARGS[0], ((0, 0), (0, 0), (0, 8))),
+      "kv_cache": jnp.pad(_ARGS[1], ((0, 0), (0, 0), (0, 8)))}, SCALE,
+     r"q_abs must have shape .*576\), got \(2, 16, 584\)"),
+    ({"kv_cache": _ARGS[1][..., :-1]}, SCALE, r"kv_cache must have shape .*64, 576\), got \(6, 64, 575\)"),
+    ({"kv_cache": _ARGS[1][:, :32]}, SCALE, r"kv_cache must have shape .*64, 576\), got \(6, 32, 576\)"),
+    ({"block_table": _ARGS[2][:1]}, SCALE, r"block_table must have shape \(2, .*got \(1, 3\)"),
+    ({"seq_lens": _ARGS[3][:1]}, SCALE, r"seq_lens must have shape \(2,\), got \(1,\)"),
+    ({"block_table": _ARGS[2][:, :0]}, SCALE, "must be >= 1"),
+    ({"seq_lens": jnp.array([70, -1], jnp.int32)}, SCALE, r"seq_lens must lie in \[0, max_pages \* page_size\]"),
+    ({"seq_lens": jnp.array([193, 5], jnp.int32)}, SCALE, r"seq_lens must lie in \[0, max_pages \* page_size\]"),
+    ({"block_table": _ARGS[2].at[0, 1].set(_ARGS[1].shape[0])}, SCALE, r"block_table\[0, 1\] = .* used page"),
+    ({"block_table": _ARGS[2].at[1, 0].set(-1)}, SCALE, r"block_table\[1, 0\] = -1 is a used page"),
+])
+def test_mla_decode_validation(changes, scale, match):
+  with pytest.raises(ValueError, match=match):
+    mla_decode(*_bad(_ARGS, **changes), scale=scale, config=_xla())
+
+
+def test_reference_validation_uses_the_same_checks():
+  with pytest.raises(ValueError, match="q_abs last dim must be Dc"):
+    mla_decode_reference(*_ARGS, scale=SCALE, latent_dim=LATENT + ROPE)
+  with pytest.raises(ValueError, match="seq_lens must lie"):
+    mla_decode_reference(*_bad(_ARGS, seq_lens=jnp.array([70, 3 * PAGE + 1], jnp.int32)), scale=SCALE)
+
+
+def test_kernels_need_bf16_inputs():
+  with pytest.raises(NotImplementedError, match="needs bf16 q_abs and kv_cache"):
+    mla_decode(*_ARGS, scale=SCALE, config=MlaDecodeConfig(impl="interpret"))
+
+
+@pytest.mark.parametrize(("o_parts", "lse_parts", "out_dtype", "match"), [
+    (jnp.zeros((2, 3, 8)), jnp.zeros((2, 3), jnp.bfloat16), jnp.float32, "lse_parts must have dtype"),
+    (jnp.zeros((2, 3, 8), jnp.int32), jnp.zeros((2, 3)), jnp.float32, "o_parts must have dtype"),
+    (jnp.zeros((2, 3, 8)), jnp.zeros((2, 4)), jnp.float32, r"lse_parts must have shape \(2, 3\), got \(2, 4\)"),
+    (jnp.zeros((8,)), jnp.zeros(()), jnp.float32, r"o_parts must have shape \(S, \.\.\., Dc\)"),
+    (jnp.zeros((0, 3, 8)), jnp.zeros((0, 3)), jnp.float32, "at least one part"),
+    (jnp.zeros((2, 3, 8)), jnp.zeros((2, 3)), jnp.int32, "out_dtype must be one of"),
+])
+def test_merge_partials_validation(o_parts, lse_parts, out_dtype, match):
+  with pytest.raises(ValueError, match=match):
+    merge_partials(o_parts, lse_parts, out_dtype=out_dtype)
+
+
+def test_config_rejects_bad_num_splits():
+  with pytest.raises(ValueError, match="num_splits must be an int >= 1"):
+    MlaDecodeConfig(num_splits=0, impl="xla")
