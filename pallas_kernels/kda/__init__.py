@@ -2,5 +2,8 @@
 
 from pallas_kernels.kda.api import kda_decode, kda_prefill
 from pallas_kernels.kda.config import KdaConfig
+from pallas_kernels.kda.reference import (kda_chunk_reference, kda_decode_reference, kda_gate,
+                                          kda_prefill_reference, kda_recurrent_reference)
 
-__all__ = ["KdaConfig", "kda_decode", "kda_prefill"]
+__all__ = ["KdaConfig", "kda_chunk_reference", "kda_decode", "kda_decode_reference", "kda_gate", "kda_prefill",
+           "kda_prefill_reference", "kda_recurrent_reference"]
