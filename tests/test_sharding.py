@@ -1,0 +1,240 @@
+"""k3jax.sharding on 9 CPU devices: mesh, logical names, shard_map wrapping, exact padding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, PartitionSpec as P
+
+from k3jax import sharding
+
+M = sharding.MODEL
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def test_make_mesh():
+  mesh = sharding.make_mesh()
+  assert mesh.axis_names == (M,) and mesh.devices.size == len(jax.devices()) == 9
+  assert mesh.axis_types == (AxisType.Auto,)
+  for n in (1, 2, 4, 8, 9):
+    assert sharding.mesh_size(sharding.make_mesh(n)) == n
+  for bad in (0, 10, 2.0):
+    with pytest.raises(ValueError, match=r"n must be an int in \[1, 9\]"):
+      sharding.make_mesh(bad)
+
+
+def test_spec_and_divisibility():
+  assert sharding.spec("batch", "heads", None) == P(None, M, None)
+  assert sharding.spec("vocab", "embed") == P(M, None)
+  with pytest.raises(ValueError, match="unknown logical axis name 'hidden'"):
+    sharding.spec("hidden")
+  with pytest.raises(ValueError, match="more than one dim on the same mesh axis"):
+    sharding.spec("heads", "ffn")
+  mesh = sharding.make_mesh(9)
+  sharding.check_divisible("w", (7168, 99 * 128), ("embed", "heads"), mesh)
+  with pytest.raises(ValueError, match=r"w: dim 1 \('heads'\) .* has size 12288, not a multiple of the 9"):
+    sharding.check_divisible("w", (7168, 96 * 128), ("embed", "heads"), mesh)
+  with pytest.raises(ValueError, match="2 logical names"):
+    sharding.check_divisible("w", (4,), ("embed", "heads"), mesh)
+  with pytest.raises(ValueError, match="dim 0 \\('vocab'\\)"):
+    sharding.named_sharding(mesh, "vocab", "embed", shape=(163840, 16))
+  assert sharding.named_sharding(mesh, "vocab", "embed", shape=(163845, 16)).spec == P(M, None)
+
+
+def test_param_annotates_nnx_variables():
+  mesh = sharding.make_mesh(9)
+  with jax.set_mesh(mesh):
+    layer = nnx.Linear(16, 18, kernel_init=sharding.param(nnx.initializers.lecun_normal(), "embed", "heads"),
+                       rngs=nnx.Rngs(0))
+  assert layer.kernel[...].sharding.spec == P(None, M)
+  assert nnx.get_partition_spec(nnx.state(layer))["kernel"].get_value() == P(None, M)
+
+
+def test_constrain():
+  x = jnp.arange(18.0 * 4).reshape(18, 4)
+  assert sharding.constrain(x, "heads", None) is x  # no mesh set: a no-op, names still checked
+  with pytest.raises(ValueError, match="unknown logical axis name"):
+    sharding.constrain(x, "head", None)
+  mesh = sharding.make_mesh(9)
+  with jax.set_mesh(mesh):
+    y = jax.jit(lambda x: sharding.constrain(x * 2, "heads", None))(x)
+    assert y.sharding.is_equivalent_to(sharding.named_sharding(mesh, "heads", None), 2)
+    np.testing.assert_array_equal(np.asarray(y), 2 * np.asarray(x))
+    with pytest.raises(ValueError, match="constrain\\(x\\): dim 0"):
+      jax.jit(lambda x: sharding.constrain(x, "heads", None))(x[:10])
+
+
+def test_shard_kernel():
+  mesh = sharding.make_mesh(9)
+
+  def per_device(x, w):  # [T, H_local, K] x [K] -> its heads, plus a per-device count
+    return x * w, jnp.full((1,), x.shape[1], jnp.int32)
+
+  fn = sharding.shard_kernel(per_device, [("tokens", "heads", None), None], [("tokens", "heads", None), ("heads",)],
+                             mesh)
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 18, 4)), jnp.float32)
+  w = jnp.arange(4.0)
+  y, count = fn(x, w)
+  assert y.sharding.is_equivalent_to(sharding.named_sharding(mesh, "tokens", "heads", None), 3)
+  assert y.shape == (3, 18, 4) and y.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(x) * np.arange(4, dtype=np.float32))
+  np.testing.assert_array_equal(np.asarray(count), np.full(9, 2))  # each device saw 2 of the 18 heads
+  with pytest.raises(ValueError, match="argument 0: dim 1"):
+    fn(x[:, :10], w)
+  with pytest.raises(ValueError, match="1 arguments for 2 in_names"):
+    fn(x)
+
+
+@pytest.mark.parametrize("n, m, want", [(96, 9, 99), (896, 9, 900), (163840, 9, 163845), (33792, 9, 33795),
+                                        (3072, 9, 3078), (96, 8, 96), (5, 1, 5), (0, 9, 0)])
+def test_pad_to_multiple(n, m, want):
+  assert sharding.pad_to_multiple(n, m) == want
+
+
+def test_padding_plan():
+  plan = sharding.PaddingPlan.make(9, heads=96, kda_heads=96, experts=896, vocab=163840, ffn=6144)
+  assert [plan.padded(k) for k in ("heads", "kda_heads", "experts", "vocab", "ffn")] == [99, 99, 900, 163845, 6147]
+  assert plan.applied == {"heads": (96, 99), "kda_heads": (96, 99), "experts": (896, 900),
+                          "vocab": (163840, 163845), "ffn": (6144, 6147)}
+  assert sharding.PaddingPlan.make(8, heads=96).applied == {}
+  # A fused head axis [H * d] gains whole zero heads at the end; unpad is its exact inverse.
+  w = jnp.asarray(np.random.default_rng(0).standard_normal((5, 96 * 3)), jnp.float32)
+  wp = plan.pad(w, "heads", axis=1)
+  assert wp.shape == (5, 99 * 3) and wp.dtype == jnp.float32
+  assert (np.asarray(wp[:, 96 * 3:]) == 0).all()
+  np.testing.assert_array_equal(np.asarray(plan.unpad(wp, "heads", axis=1)), np.asarray(w))
+  bias = plan.pad(jnp.zeros(896), "experts", axis=0, fill=-jnp.inf)
+  assert np.isneginf(np.asarray(bias[896:])).all() and (np.asarray(bias[:896]) == 0).all()
+  for kwargs, msg in [(dict(embed=7168), "'embed' is not split"), (dict(hidden=4), "unknown logical axis"),
+                      (dict(heads=0), "heads must be an int >= 1")]:
+    with pytest.raises(ValueError, match=msg):
+      sharding.PaddingPlan.make(9, **kwargs)
+  with pytest.raises(ValueError, match="tp must be an int >= 1"):
+    sharding.PaddingPlan.make(0, heads=96)
+  with pytest.raises(ValueError, match="has no dim 'experts'"):
+    sharding.PaddingPlan.make(9, heads=96).padded("experts")
+  with pytest.raises(ValueError, match="not made of 96 equal blocks"):
+    plan.pad(w[:, :100], "heads", axis=1)
+  with pytest.raises(ValueError, match="not made of 99 equal blocks"):
+    plan.unpad(w[:, :100], "heads", axis=1)
+  with pytest.raises(ValueError, match="new_units must be >= units"):
+    sharding.pad_units(w, 1, 96, 95)
+  with pytest.raises(ValueError, match="pad_to_multiple needs"):
+    sharding.pad_to_multiple(3, 0)
+
+
+def attention_np(x, wq, wk, wv, wo, heads):
+  """Float64 causal multi-head attention: x [T, D], w* [D, H * d], wo [H * d, D]."""
+  t = x.shape[0]
+  split = lambda a: a.reshape(t, heads, -1).transpose(1, 0, 2)
+  q, k, v = split(x @ wq), split(x @ wk), split(x @ wv)
+  s = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1]) + np.triu(np.full((t, t), -np.inf), 1)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  o = (p / p.sum(-1, keepdims=True)) @ v
+  return o.transpose(1, 0, 2).reshape(t, -1) @ wo
+
+
+def attention_jnp(x, wq, wk, wv, wo, heads):
+  """The same layer in f32 JAX, each head's contribution to the output returned separately: [H, T, D]."""
+  t = x.shape[0]
+  split = lambda a: sharding.constrain(jnp.dot(x, a, precision=HIGHEST).reshape(t, heads, -1), "tokens", "heads",
+                                       None)
+  q, k, v = split(wq), split(wk), split(wv)
+  s = jnp.einsum("thd,shd->hts", q, k, precision=HIGHEST) / jnp.sqrt(q.shape[-1])
+  s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+  o = jnp.einsum("hts,shd->thd", jax.nn.softmax(s, axis=-1), v, precision=HIGHEST)
+  return jnp.einsum("thd,hde->hte", o, wo.reshape(heads, -1, wo.shape[-1]), precision=HIGHEST)
+
+
+def test_padded_heads_contribute_exactly_zero_sharded():
+  rng = np.random.default_rng(1)
+  heads, d, dm, t = 4, 8, 16, 5
+  x = rng.standard_normal((t, dm)) / 4
+  ws = [rng.standard_normal((dm, heads * d)) / 4 for _ in range(3)] + [rng.standard_normal((heads * d, dm)) / 4]
+  plan = sharding.PaddingPlan.make(9, heads=heads)
+  mesh = sharding.make_mesh(9)
+  padded = [plan.pad(jnp.asarray(w, jnp.float32), "heads", axis=1) for w in ws[:3]]
+  padded.append(plan.pad(jnp.asarray(ws[3], jnp.float32), "heads", axis=0))
+  names = [("embed", "heads")] * 3 + [("heads", "embed")]
+  placed = [jax.device_put(w, sharding.named_sharding(mesh, *n, shape=w.shape)) for w, n in zip(padded, names)]
+  with jax.set_mesh(mesh):
+    parts = jax.jit(attention_jnp, static_argnums=5)(jnp.asarray(x, jnp.float32), *placed, 9)
+  assert parts.shape == (9, t, dm) and parts.dtype == jnp.float32
+  parts = np.asarray(parts)
+  assert (parts[heads:] == 0).all()  # exactly: zero q/k/v columns give v = 0, and o_proj rows are zero
+  # f32 with HIGHEST matmuls of O(1) values over <= 32 terms against float64: a few f32 ulps.
+  np.testing.assert_allclose(parts.sum(0), attention_np(x, *ws, heads), rtol=0, atol=2e-6)
+  with pytest.raises(ValueError, match="dim 1 \\('heads'\\)"):
+    sharding.named_sharding(mesh, "embed", "heads", shape=ws[0].shape)  # unpadded: refused, not replicated
+
+
+def moe_jnp(x, router, bias, w1, w3, w2, top_k):
+  """Sigmoid router (bias for selection only), renormalised top-k, SiLU-gated experts, gathered per token."""
+  scores = jax.nn.sigmoid(jnp.dot(x, router, precision=HIGHEST))
+  _, idx = jax.lax.top_k(scores + bias, top_k)
+  w = jnp.take_along_axis(scores, idx, axis=-1)
+  w = w / w.sum(-1, keepdims=True)
+  h = jax.nn.silu(jnp.einsum("td,tkdf->tkf", x, w1[idx], precision=HIGHEST))
+  h = h * jnp.einsum("td,tkdf->tkf", x, w3[idx], precision=HIGHEST)
+  return jnp.einsum("tk,tkf,tkfd->td", w, h, w2[idx], precision=HIGHEST), idx
+
+
+def moe_np(x, router, bias, w1, w3, w2, top_k):
+  scores = 1 / (1 + np.exp(-x @ router))
+  idx = np.argsort(-(scores + bias), axis=-1, kind="stable")[:, :top_k]
+  w = np.take_along_axis(scores, idx, -1)
+  w /= w.sum(-1, keepdims=True)
+  out = np.zeros_like(x)
+  for t in range(x.shape[0]):
+    for j, e in enumerate(idx[t]):
+      g = x[t] @ w1[e]
+      out[t] += w[t, j] * ((g / (1 + np.exp(-g))) * (x[t] @ w3[e])) @ w2[e]
+  return out, idx
+
+
+def test_padded_experts_are_never_selected():
+  rng = np.random.default_rng(2)
+  experts, top_k, dm, f, t = 7, 3, 8, 6, 32
+  x = rng.standard_normal((t, dm))
+  router = rng.standard_normal((dm, experts))
+  # Bias from training: negative enough that padded zero-logit experts (score 0.5) would win without -inf.
+  bias = rng.uniform(-1.0, -0.5, experts)
+  w1, w3 = (rng.standard_normal((experts, dm, f)) / 3 for _ in range(2))
+  w2 = rng.standard_normal((experts, f, dm)) / 3
+  plan = sharding.PaddingPlan.make(9, experts=experts)
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  padded = (plan.pad(f32(router), "experts", 1), plan.pad(f32(bias), "experts", 0, fill=-jnp.inf),
+            *(plan.pad(f32(w), "experts", 0) for w in (w1, w3, w2)))
+  out, idx = jax.jit(moe_jnp, static_argnums=6)(f32(x), *padded, top_k)
+  assert out.shape == (t, dm) and out.dtype == jnp.float32 and idx.shape == (t, top_k)
+  ref, ref_idx = moe_np(x, router, bias, w1, w3, w2, top_k)
+  assert (np.asarray(idx) < experts).all()
+  _, idx_zero_bias = moe_jnp(f32(x), padded[0], plan.pad(f32(bias), "experts", 0), *padded[2:], top_k)
+  assert (np.asarray(idx_zero_bias) >= experts).any()  # so the -inf bias is what keeps the dummies out
+  np.testing.assert_array_equal(np.sort(np.asarray(idx), -1), np.sort(ref_idx, -1))
+  # f32 vs float64 over sums of <= 8 terms of O(1) values.
+  np.testing.assert_allclose(np.asarray(out), ref, rtol=0, atol=1e-5)
+
+
+def test_padded_ffn_and_vocab_contribute_exactly_zero():
+  rng = np.random.default_rng(3)
+  dm, f, vocab = 8, 6, 11
+  xs = rng.standard_normal((4, dm))
+  wg_, wu_ = (rng.standard_normal((dm, f)) / np.sqrt(dm) for _ in range(2))
+  wd_ = rng.standard_normal((f, dm)) / np.sqrt(f)
+  x, wg, wu, wd = (jnp.asarray(a, jnp.float32) for a in (xs, wg_, wu_, wd_))
+  head = jnp.asarray(rng.standard_normal((dm, vocab)), jnp.float32)
+  plan = sharding.PaddingPlan.make(9, ffn=f, vocab=vocab)
+  g, u = (jnp.dot(x, plan.pad(w, "ffn", 1), precision=HIGHEST) for w in (wg, wu))
+  hidden = jax.nn.silu(g) * u
+  assert hidden.shape == (4, 9) and (np.asarray(hidden[:, f:]) == 0).all()
+  y = jnp.dot(hidden, plan.pad(wd, "ffn", 0), precision=HIGHEST)
+  g_ = xs @ wg_
+  ref = (g_ / (1 + np.exp(-g_)) * (xs @ wu_)) @ wd_
+  # f32 vs float64, sums of <= 9 terms of O(1) values.
+  np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=2e-6)
+  logits = jnp.dot(x, plan.pad(head, "vocab", 1), precision=HIGHEST)
+  assert logits.shape == (4, 18) and (np.asarray(logits[:, vocab:]) == 0).all()
+  np.testing.assert_array_equal(np.asarray(plan.unpad(logits, "vocab", 1)),
+                                np.asarray(jnp.dot(x, head, precision=HIGHEST)))
