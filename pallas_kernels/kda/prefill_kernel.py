@@ -1,8 +1,93 @@
-"""KDA chunked prefill as a Pallas Mosaic GPU kernel (Hopper). Filled in by [4/9]."""
+"""KDA chunked prefill as two Pallas Mosaic GPU kernels (Hopper, sm_90a).
+
+Stage 1 (``prefill_prep``, chunk-parallel, grid = chunk slots × heads) turns the raw inputs of each
+64-token chunk into bf16 per-chunk operands in chunk-padded workspaces; stage 2 (``prefill_state``, grid =
+V-blocks × heads × sequences) runs the inter-chunk recurrence, writes ``o`` and reads/writes the state
+pool slots in place (the pool enters as a ``jax.new_ref``; donate it in the enclosing ``jax.jit`` to avoid
+a copy). Around the kernels there is only index arithmetic on ``[N]``/``[M]``-sized arrays and a transpose
+of ``beta_raw``; no state is gathered or scattered outside the kernels.
+
+The chunk slot table has a static size ``cdiv(T, 64) + N`` (every sequence adds at most one partial chunk);
+slots past the real chunks have length 0 and are skipped.
+"""
+
+import functools
 
 import jax
+import jax.numpy as jnp
 
+from pallas_kernels import _util
+from pallas_kernels.kda import prefill_prep, prefill_state
 from pallas_kernels.kda.config import KdaConfig
+from pallas_kernels._interpret import interpret_mode
+
+C = prefill_prep.C
+
+
+def _chunk_table(cu_seqlens: jax.Array, num_slots: int):
+  """Per-sequence chunk ranges and per-slot (first token, valid rows) of the chunk-padded layout."""
+  lens = cu_seqlens[1:] - cu_seqlens[:-1]
+  nch = (lens + C - 1) // C
+  ends = jnp.cumsum(nch)
+  starts = ends - nch
+  slots = jnp.arange(num_slots, dtype=jnp.int32)
+  seq = jnp.searchsorted(ends, slots, side="right").astype(jnp.int32)
+  in_range = seq < lens.shape[0]
+  seq_c = jnp.minimum(seq, lens.shape[0] - 1)
+  local = slots - starts[seq_c]
+  tok = cu_seqlens[seq_c] + local * C
+  rows = jnp.where(in_range, jnp.clip(lens[seq_c] - local * C, 0, C), 0)
+  return starts.astype(jnp.int32), nch.astype(jnp.int32), lens, jnp.where(in_range, tok, 0), rows
+
+
+def _checkpoint_table(indptr, offsets, slots, chunk_start, num_slots: int):
+  """Checkpoints sorted by the chunk slot after which they are taken, and each slot's range in that list."""
+  M = offsets.shape[0]
+  if M == 0:
+    sorted_chunk = jnp.full((1,), -1, jnp.int32)
+    sorted_slot = jnp.full((1,), -1, jnp.int32)
+  else:
+    seq = jnp.searchsorted(indptr, jnp.arange(M, dtype=jnp.int32), side="right") - 1
+    chunk = chunk_start[seq] + offsets // C - 1
+    order = jnp.argsort(chunk, stable=True)
+    sorted_chunk, sorted_slot = chunk[order].astype(jnp.int32), slots[order]
+  ids = jnp.arange(num_slots, dtype=jnp.int32)
+  lo = jnp.searchsorted(sorted_chunk, ids, side="left").astype(jnp.int32)
+  hi = jnp.searchsorted(sorted_chunk, ids, side="right").astype(jnp.int32)
+  return lo, hi, sorted_slot.astype(jnp.int32)
+
+
+def _check_supported(K: int, V: int) -> None:
+  if K not in (64, 128):
+    raise NotImplementedError(f"kda_prefill kernel: K must be 64 or 128, got {K}")
+  if V % prefill_state.BV:
+    raise NotImplementedError(f"kda_prefill kernel: V must be a multiple of {prefill_state.BV}, got {V}")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, cu_seqlens, state_pool, state_indices,
+             has_initial_state, checkpoint_indptr, checkpoint_offsets, checkpoint_slots, *, config: KdaConfig,
+             interpret: bool):
+  T, H, K = q.shape
+  V = v.shape[-1]
+  N = state_indices.shape[0]
+  scale = K ** -0.5 if config.scale is None else config.scale
+  # The kernels read 16-bit q/k/v (their matmul operands are bf16 anyway); 4-byte inputs are narrowed here
+  # so stage 1's SMEM fits.
+  if q.dtype.itemsize > 2:
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  num_slots = _util.cdiv(T, C) + N
+  chunk_start, nch, lens, tok, rows = _chunk_table(cu_seqlens, num_slots)
+  beta_t = jnp.pad(beta_raw.astype(jnp.float32).T, ((0, 0), (0, C)))
+  with interpret_mode(interpret):
+    work = prefill_prep.prep(q, k, v, g_raw, beta_t, A_log, dt_bias, tok, rows, scale=scale,
+                             lower_bound=config.lower_bound)
+    ck = _checkpoint_table(checkpoint_indptr, checkpoint_offsets, checkpoint_slots, chunk_start, num_slots)
+    seq_meta = (chunk_start, nch, cu_seqlens[:-1].astype(jnp.int32), lens.astype(jnp.int32),
+                state_indices, has_initial_state.astype(jnp.int32))
+    pool_ref = jax.new_ref(state_pool)
+    o = prefill_state.state_pass(*work, pool_ref, seq_meta, ck, T=T, out_dtype=q.dtype)
+  return o, pool_ref[...]
 
 
 def kda_prefill_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_raw: jax.Array,
@@ -10,5 +95,30 @@ def kda_prefill_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Arra
                        state_indices: jax.Array, has_initial_state: jax.Array, checkpoint_indptr: jax.Array,
                        checkpoint_offsets: jax.Array, checkpoint_slots: jax.Array, *, config: KdaConfig,
                        interpret: bool) -> tuple[jax.Array, jax.Array]:
-  """Kernel path of ``kda_prefill``: inputs already validated by the public API (same shapes)."""
-  raise NotImplementedError("kda_prefill with impl='pallas'/'interpret' lands with [4/9]")
+  """Kernel path of ``kda_prefill``: inputs already validated by the public API (same shapes and meaning).
+
+  Args:
+    q, k: ``[T, H, K]`` raw. v: ``[T, H, V]``. g_raw: ``[T, H, K]``. beta_raw: ``[T, H]``.
+    A_log: ``[H]`` f32. dt_bias: ``[H, K]`` f32. cu_seqlens: ``[N+1]`` int32.
+    state_pool: ``[P, H, V, K]`` (V-first) in ``config.state_dtype``.
+    state_indices: ``[N]`` int32 (-1: start from zero, write nothing). has_initial_state: ``[N]`` bool.
+    checkpoint_indptr: ``[N+1]`` int32; checkpoint_offsets, checkpoint_slots: ``[M]`` int32.
+    config: ``KdaConfig``. interpret: run the same kernels in Mosaic GPU interpret mode (CPU).
+
+  Returns:
+    ``o [T, H, V]`` in q's dtype and the new pool. Requires K in {64, 128} and V a multiple of 64.
+    Destination slots (final states and checkpoints) must not be another sequence's initial-state slot
+    (the kernels update the pool in place while other sequences read it).
+  """
+  _check_supported(q.shape[-1], v.shape[-1])
+  T = q.shape[0]
+  if T == 0:
+    return jnp.zeros(v.shape, q.dtype), state_pool
+  if T < C:
+    # TMA boxes are one chunk tall: give the token arrays at least one chunk of (unused) rows.
+    q, k, v, g_raw, beta_raw = (jnp.pad(x, ((0, C - T),) + ((0, 0),) * (x.ndim - 1))
+                                for x in (q, k, v, g_raw, beta_raw))
+  o, pool = _prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, cu_seqlens, state_pool, state_indices,
+                     has_initial_state, checkpoint_indptr, checkpoint_offsets, checkpoint_slots, config=config,
+                     interpret=interpret)
+  return o[:T], pool

@@ -1,0 +1,162 @@
+"""KDA prefill, stage 2 (sequential over the chunks of a sequence): state passing, output, pool I/O.
+
+One program per (V-block of 64, head, sequence), one warpgroup, in the transposed frame: the f32 register
+accumulator holds ``Sᵀ [64 (V), K]``, exactly one V-block of the V-first pool slot. Per chunk (stage-1
+workspaces, double-buffered TMA prefetch):
+
+    E  = U + Wn S                 (Wn = −W; [C, 64])
+    O  = Qg S + Aqk E             ([C, 64], scale folded into Qg and Aqk)
+    Sᵀ = Sᵀ ⊙ γ + Eᵀ Kg
+
+with ``S`` and ``E`` entering the matmuls as bf16 SMEM stashes (f32 accumulation). The initial state is
+read from the pool slot by TMA (zero when there is none), the state after every requested checkpoint chunk
+and the final state are rounded once to the pool dtype and written into their slots by TMA. The output of
+a chunk is stored into the packed ``o [T, H, V]`` with a ladder of power-of-two row TMAs, so a partial last
+chunk never writes into the next sequence's rows.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.kda.prefill_prep import C, COLV, WG, bcast_cols, bf16, f32, tiled
+
+BV = 64  # V-block of one program
+NBUF = 2  # prefetch depth (stages of the chunk-input ring)
+
+
+def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref,
+                qg_ref, kg_ref, wn_ref, u_ref, aqk_ref, gam_ref, pool_ref,
+                o_ref,
+                wn_b, kg_b, qg_b, u_b, aqk_b, gam_b, st_s, e_s, o_s, stg, bars, pool_bar, *, K: int):
+  vb = lax.axis_index("v")
+  h = lax.axis_index("h")
+  n = lax.axis_index("n")
+  v0 = pl.multiple_of(vb * BV, BV)
+  cs = cs_ref[n]
+  nch = nch_ref[n]
+  t0 = tok_ref[n]
+  seq_len = len_ref[n]
+  slot = slot_ref[n]
+
+  def issue(i, st):
+    gc = cs + i
+    bar = bars.at[st]
+    plgpu.copy_gmem_to_smem(wn_ref.at[gc, h], wn_b.at[st], bar)
+    plgpu.copy_gmem_to_smem(kg_ref.at[gc, h], kg_b.at[st], bar)
+    plgpu.copy_gmem_to_smem(qg_ref.at[gc, h], qg_b.at[st], bar)
+    plgpu.copy_gmem_to_smem(u_ref.at[gc, h, :, pl.ds(v0, BV)], u_b.at[st], bar)
+    plgpu.copy_gmem_to_smem(aqk_ref.at[gc, h], aqk_b.at[st], bar)
+    plgpu.copy_gmem_to_smem(gam_ref.at[gc, h], gam_b.at[st], bar)
+
+  for j in range(NBUF):
+    pl.when(nch > j)(functools.partial(issue, j, j))
+
+  has_init = (slot >= 0) & (init_ref[n] != 0)
+
+  @pl.when(has_init)
+  def _():
+    plgpu.copy_gmem_to_smem(pool_ref.at[slot, h, pl.ds(v0, BV)], stg, pool_bar.at[0])
+    plgpu.barrier_wait(pool_bar.at[0])
+
+  # Uninitialised SMEM may hold NaN: select, never multiply by 0.
+  init_rows = plgpu.broadcasted_iota(jnp.int32, (BV, K), 0, layout=WG) < jnp.where(has_init, BV, 0)
+  s0 = jnp.where(init_rows, plgpu.load(stg, layout=WG, optimized=False).astype(f32), 0.0)
+
+  def write_state(s, dst):
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    stg[...] = s.astype(stg.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(stg, pool_ref.at[dst, h, pl.ds(v0, BV)])
+
+  def step(i, s):
+    st = lax.rem(i, NBUF)
+    plgpu.barrier_wait(bars.at[st])
+    st_s[...] = s.astype(bf16)
+    plgpu.commit_smem()
+
+    def first(acc_e, acc_o):
+      plgpu.wgmma(acc_e, wn_b.at[st], st_s.T)
+      plgpu.wgmma(acc_o, qg_b.at[st], st_s.T)
+      return acc_e[...], acc_o[...]
+
+    e, o = pl.run_scoped(first, plgpu.ACC((C, BV), f32), plgpu.ACC((C, BV), f32))
+    e = e + plgpu.load(u_b.at[st], layout=WG, optimized=False).astype(f32)
+    gam = plgpu.load(gam_b.at[st], layout=COLV, optimized=False)
+    e_s[...] = e.astype(bf16)
+    plgpu.commit_smem()
+
+    def second(acc_s, acc_o):
+      plgpu.wgmma(acc_s, e_s.T, kg_b.at[st])
+      plgpu.wgmma(acc_o, aqk_b.at[st], e_s)
+      return acc_s[...], acc_o[...]
+
+    ds, o2 = pl.run_scoped(second, plgpu.ACC((BV, K), f32), plgpu.ACC((C, BV), f32))
+    s = s * bcast_cols(gam, (BV, K)) + ds
+    # Every read of stage st (wgmma and register loads) is complete: refill it.
+    pl.when(i + NBUF < nch)(functools.partial(issue, i + NBUF, st))
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    o_s[...] = (o + o2).astype(o_s.dtype)
+    plgpu.commit_smem()
+    rows = jnp.minimum(seq_len - i * C, C)
+    start = 0
+    size = C
+    while size:
+      @pl.when((rows & size) != 0)
+      def _(start=start, size=size):
+        plgpu.copy_smem_to_gmem(o_s.at[pl.ds(start, size)],
+                                o_ref.at[pl.ds(t0 + i * C + start, size), h, pl.ds(v0, BV)])
+      start = start + (rows & size)
+      size //= 2
+
+    gc = cs + i
+
+    def checkpoint(m, carry):
+      dst = ck_slot_ref[m]
+      pl.when(dst >= 0)(lambda: write_state(s, dst))
+      return carry
+
+    lax.fori_loop(ck_lo_ref[gc], ck_hi_ref[gc], checkpoint, 0)
+    return s
+
+  s = lax.fori_loop(0, nch, step, s0)
+  pl.when((slot >= 0) & (nch > 0))(lambda: write_state(s, slot))
+  plgpu.wait_smem_to_gmem(0)
+
+
+def state_pass(qg: jax.Array, kg: jax.Array, wn: jax.Array, u: jax.Array, aqk: jax.Array, gam: jax.Array,
+               pool_ref, seq_meta: tuple[jax.Array, ...], ck_meta: tuple[jax.Array, ...], *, T: int,
+               out_dtype) -> jax.Array:
+  """Stage 2. Writes final states / checkpoints into ``pool_ref`` (a ``jax.new_ref`` of the pool) in place.
+
+  Args:
+    qg, kg, wn, u, aqk, gam: stage-1 workspaces (``prefill_prep.prep``), chunk slots first.
+    pool_ref: ref of the ``[P, H, V, K]`` pool (f32 or bf16).
+    seq_meta: ``[N]`` int32 each: first chunk slot, number of chunks, first token, length, pool slot,
+      has-initial-state (0/1).
+    ck_meta: checkpoints sorted by chunk slot: per chunk slot the range ``[lo, hi)`` into the sorted list
+      (``[S]`` int32 each) and the sorted destination slots (``[M']`` int32, -1 = skip).
+    T: total tokens. out_dtype: dtype of ``o``.
+
+  Returns:
+    ``o [T, H, V]`` in ``out_dtype``.
+  """
+  _, H, _, K = qg.shape
+  V = u.shape[-1]
+  N = seq_meta[0].shape[0]
+  scratch = [
+      tiled((NBUF, C, K)), tiled((NBUF, C, K)), tiled((NBUF, C, K)),
+      plgpu.SMEM((NBUF, C, BV), bf16), tiled((NBUF, C, C)), plgpu.SMEM((NBUF, K), f32),
+      tiled((BV, K)), tiled((C, BV)), plgpu.SMEM((C, BV), out_dtype), plgpu.SMEM((BV, K), pool_ref.dtype),
+      plgpu.Barrier(num_arrivals=6, num_barriers=NBUF), plgpu.Barrier(num_arrivals=1, num_barriers=1),
+  ]
+  return plgpu.kernel(
+      functools.partial(_state_body, K=K),
+      out_type=jax.ShapeDtypeStruct((T, H, V), out_dtype),
+      grid=(V // BV, H, N), grid_names=("v", "h", "n"), scratch_types=scratch,
+  )(*seq_meta, *ck_meta, qg, kg, wn, u, aqk, gam, pool_ref)
