@@ -438,10 +438,11 @@ def _kimi_k3(**kw) -> K3Config:
 
 def _tiny(**kw) -> K3Config:
   # 6 layers: KDA, KDA, MLA, KDA, MLA, MLA (the double-MLA tail of K3); layer 0 dense; 3 AttnRes blocks.
+  # The latent stays 512 + 64 wide: ``mla_decode`` is specialised to the Kimi latent (Dc = 512, Dr = 64).
   base = dict(
       vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=6, rms_norm_eps=1e-5,
-      hidden_act="situ", num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-      qk_rope_head_dim=8, v_head_dim=16, mla_use_output_gate=True, kda_num_heads=4, kda_head_dim=16,
+      hidden_act="situ", num_attention_heads=4, q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=16,
+      qk_rope_head_dim=64, v_head_dim=16, mla_use_output_gate=True, kda_num_heads=4, kda_head_dim=16,
       short_conv_kernel_size=4, gate_lower_bound=-5.0, use_full_rank_gate=True,
       layer_types=_pattern(6, (3, 5, 6)), num_experts=8, num_experts_per_token=2, num_shared_experts=1,
       moe_intermediate_size=32, routed_expert_hidden_size=48, latent_moe_use_norm=True,
@@ -462,7 +463,7 @@ def _tiny_linear(**kw) -> K3Config:
 def _tiny9(**kw) -> K3Config:
   # Every dimension a 9-way mesh shards divides by 9: heads 9, experts 18, vocab 576, hidden 144, FFN 288/36.
   base = dict(vocab_size=576, hidden_size=144, intermediate_size=288, num_attention_heads=9, q_lora_rank=36,
-              kv_lora_rank=32, kda_num_heads=9, kda_head_dim=16, num_experts=18, num_experts_per_token=2,
+              kda_num_heads=9, kda_head_dim=16, num_experts=18, num_experts_per_token=2,
               moe_intermediate_size=36, routed_expert_hidden_size=72)
   base.update(kw)
   return _tiny(**base)

@@ -1,0 +1,115 @@
+"""Inference caches: the KDA state pool (recurrent + conv) and the paged MLA latent cache.
+
+Layout (one ``ModelCache`` for the whole model; ``N`` sequences, ``P`` pool slots):
+
+* per KDA layer, ``KdaState``: ``recurrent [P, H, V, K]`` in ``state_dtype`` (V-first, as the KDA ops) and
+  ``conv_q`` / ``conv_k`` / ``conv_v [P, W - 1, H*K]`` in ``conv_dtype`` (the last ``W - 1`` pre-conv rows).
+* per MLA layer, ``kv [pages, 64, R + dr]`` in ``cache_dtype``: row = ``[kv_a_layernorm(c) | k_pe]``.
+* shared: ``state_indices [N]`` (pool slot of each sequence), ``block_table [N, max_pages]`` (page ids of
+  each sequence), ``seq_lens [N]`` (tokens cached per sequence).
+
+Slots and pages are handed out on the host by ``SlotAllocator``; the device arrays only see their ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.config import KDA, PAGE_SIZE, K3Config
+from pallas_kernels import _util
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KdaState:
+  """State of one KDA layer for every pool slot (shapes in the module docstring)."""
+
+  recurrent: jax.Array
+  conv_q: jax.Array
+  conv_k: jax.Array
+  conv_v: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelCache:
+  """Everything ``prefill`` / ``decode`` read and write; a pytree (donate it to jit)."""
+
+  kda: tuple[KdaState, ...]
+  mla: tuple[jax.Array, ...]
+  state_indices: jax.Array
+  block_table: jax.Array
+  seq_lens: jax.Array
+
+  def replace(self, **changes) -> ModelCache:
+    return dataclasses.replace(self, **changes)
+
+
+class SlotAllocator:
+  """Host-side free list of ``num`` ids (KDA pool slots or MLA pages), lowest ids first."""
+
+  def __init__(self, num: int):
+    if num < 1:
+      raise ValueError(f"num must be >= 1, got {num}")
+    self.num = num
+    self._free = list(range(num - 1, -1, -1))
+
+  @property
+  def num_free(self) -> int:
+    return len(self._free)
+
+  def allocate(self, count: int) -> list[int]:
+    if count > len(self._free):
+      raise ValueError(f"cannot allocate {count} ids: only {len(self._free)} of {self.num} are free")
+    return [self._free.pop() for _ in range(count)]
+
+  def free(self, ids) -> None:
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i < self.num or i in self._free]
+    if bad:
+      raise ValueError(f"ids to free must be allocated ids in [0, {self.num}), got {bad}")
+    self._free.extend(sorted(ids, reverse=True))
+    self._free.sort(reverse=True)
+
+
+def init_cache(cfg: K3Config, num_seqs: int, max_seq_len: int, *, num_slots: int | None = None,
+               num_pages: int | None = None, slots: SlotAllocator | None = None,
+               pages: SlotAllocator | None = None, fill: float = 0.0) -> ModelCache:
+  """An empty cache for ``num_seqs`` sequences of up to ``max_seq_len`` tokens.
+
+  Args:
+    cfg: the model config (dims and the ``state_dtype`` / ``conv_dtype`` / ``cache_dtype``).
+    num_seqs: N.
+    max_seq_len: capacity per sequence; rounded up to whole pages of 64 tokens.
+    num_slots: KDA pool size P (default N). num_pages: MLA pages (default N * pages per sequence).
+    slots, pages: allocators to draw from (default: fresh ones of ``num_slots`` / ``num_pages``).
+    fill: value of every pool/cache element at start (tests poison unused slots with NaN).
+
+  Returns:
+    A ``ModelCache`` with ``seq_lens = 0``; sequence n owns the slot and pages the allocators gave it.
+  """
+  if num_seqs < 1 or max_seq_len < 1:
+    raise ValueError(f"num_seqs and max_seq_len must be >= 1, got {num_seqs} and {max_seq_len}")
+  max_pages = _util.cdiv(max_seq_len, PAGE_SIZE)
+  slots = slots or SlotAllocator(num_slots or num_seqs)
+  pages = pages or SlotAllocator(num_pages or num_seqs * max_pages)
+  state_indices = np.asarray(slots.allocate(num_seqs), np.int32)
+  block_table = np.asarray(pages.allocate(num_seqs * max_pages), np.int32).reshape(num_seqs, max_pages)
+  h, k, w = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size
+  p = slots.num
+
+  def full(shape, dtype):
+    return jnp.full(shape, fill, dtype)
+
+  kda = tuple(
+      KdaState(recurrent=full((p, h, k, k), cfg.state_dtype),
+               **{name: full((p, w - 1, h * k), cfg.conv_dtype) for name in ("conv_q", "conv_k", "conv_v")})
+      for t in cfg.layer_types if t == KDA)
+  mla = tuple(full((pages.num, PAGE_SIZE, cfg.kv_lora_rank + cfg.qk_rope_head_dim), cfg.cache_dtype)
+              for t in cfg.layer_types if t != KDA)
+  return ModelCache(kda=kda, mla=mla, state_indices=jnp.asarray(state_indices),
+                    block_table=jnp.asarray(block_table), seq_lens=jnp.zeros((num_seqs,), jnp.int32))

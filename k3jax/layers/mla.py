@@ -1,0 +1,138 @@
+"""NoPE multi-head latent attention (HF ``KimiMLAAttention``; K3 adds q-LoRA and an output gate).
+
+``q = q_b(norm(q_a x))`` (or ``q_proj x``) split into ``q_nope [dn] | q_pe [dr]``;
+``[c | k_pe] = kv_a_proj_with_mqa x``, ``c = kv_a_layernorm(c)``; ``kv_b_proj`` holds ``W_UK [R, H, dn]``
+and ``W_UV [R, H, dv]``. Nothing is rotated (NoPE); the ``dr`` slice is shared by all heads.
+
+* Prefill (non-absorbed): ``k = [c W_UK | k_pe]``, ``v = c W_UV``, causal attention per packed sequence.
+* Decode (absorbed): ``q_abs = [W_UK q_nope | q_pe]`` against the cached rows ``[c | k_pe]`` with
+  ``mla_decode``, then ``o = o_lat W_UV``.
+
+Both read the latent rounded to the cache dtype, so a prefilled and a decoded token see the same keys.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax import nn_util
+from k3jax.config import PAGE_SIZE, K3Config
+from k3jax.layers.norms import RMSNorm
+from pallas_kernels import mla_decode
+
+
+class KvBProj(nnx.Module):
+  """HF ``kv_b_proj`` ``[H*(dn+dv), R]`` stored split: ``w_uk [R, H, dn]`` and ``w_uv [R, H, dv]``."""
+
+  def __init__(self, cfg: K3Config, *, rngs: nnx.Rngs):
+    r, h = cfg.kv_lora_rank, cfg.num_attention_heads
+    init = nn_util.fan_in_normal(r)
+    self.w_uk = nn_util.param(rngs, init, (r, h, cfg.qk_nope_head_dim), cfg.param_dtype,
+                              ("kv_lora", "heads", "qk_nope_dim"))
+    self.w_uv = nn_util.param(rngs, init, (r, h, cfg.v_head_dim), cfg.param_dtype,
+                              ("kv_lora", "heads", "v_head_dim"))
+
+
+class MlaLayer(nnx.Module):
+  """One MLA layer over the paged latent cache ``[pages, 64, R + dr]``."""
+
+  def __init__(self, cfg: K3Config, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    dqk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    lin = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+    norm = dict(eps=cfg.latent_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+    if cfg.q_lora_rank is None:
+      self.q_proj = nn_util.Linear((d,), (h, dqk), ("embed", "heads", "qk_head_dim"), **lin)
+    else:
+      self.q_a_proj = nn_util.Linear((d,), (cfg.q_lora_rank,), ("embed", "q_lora"), **lin)
+      self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, name="q_lora", **norm)
+      self.q_b_proj = nn_util.Linear((cfg.q_lora_rank,), (h, dqk), ("q_lora", "heads", "qk_head_dim"), **lin)
+    self.kv_a_proj_with_mqa = nn_util.Linear((d,), (cfg.kv_lora_rank + cfg.qk_rope_head_dim,),
+                                             ("embed", "kv_latent"), **lin)
+    self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, name="kv_lora", **norm)
+    self.kv_b_proj = KvBProj(cfg, rngs=rngs)
+    if cfg.mla_use_output_gate:
+      self.g_proj = nn_util.Linear((d,), (h, dv), ("embed", "heads", "v_head_dim"), **lin)
+    self.o_proj = nn_util.Linear((h, dv), (d,), ("heads", "v_head_dim", "embed"), **lin)
+
+  def _query(self, x: jax.Array) -> jax.Array:
+    """``[M, H, dn + dr]`` in ``cfg.dtype``."""
+    if self.cfg.q_lora_rank is None:
+      return self.q_proj(x)
+    return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+  def _latent(self, x: jax.Array) -> jax.Array:
+    """Cache rows ``[c | k_pe]`` ``[M, R + dr]`` in ``cfg.cache_dtype``."""
+    r = self.cfg.kv_lora_rank
+    a = self.kv_a_proj_with_mqa(x)
+    c = self.kv_a_layernorm(a[:, :r])
+    return jnp.concatenate([c, a[:, r:]], axis=-1).astype(self.cfg.cache_dtype)
+
+  def _output(self, x: jax.Array, o: jax.Array) -> jax.Array:
+    """Optional sigmoid output gate (f32) on ``o [M, H, dv]``, then ``o_proj``."""
+    if self.cfg.mla_use_output_gate:
+      o = o.astype(jnp.float32) * jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32))
+    return self.o_proj(o.astype(self.cfg.dtype))
+
+  @staticmethod
+  def _write(kv_cache: jax.Array, rows: jax.Array, block_table: jax.Array, seq: jax.Array,
+             pos: jax.Array) -> jax.Array:
+    """``kv_cache[page of (seq, pos), pos % 64] = rows``."""
+    page = block_table[seq, pos // PAGE_SIZE]
+    return kv_cache.at[page, pos % PAGE_SIZE].set(rows)
+
+  def prefill(self, x: jax.Array, kv_cache: jax.Array, *, seq: jax.Array, pos: jax.Array,
+              block_table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Non-absorbed causal attention over packed fresh sequences; writes their latent rows.
+
+    Args:
+      x: ``[T, D]`` normalised hidden states. kv_cache: ``[pages, 64, R + dr]``.
+      seq: ``[T]`` int32 sequence of each token. pos: ``[T]`` int32 position in its sequence (from 0).
+      block_table: ``[N, max_pages]`` int32.
+
+    Returns:
+      ``[T, D]`` in ``cfg.dtype`` and the updated cache.
+    """
+    cfg = self.cfg
+    r, dv = cfg.kv_lora_rank, cfg.v_head_dim
+    q = self._query(x)
+    rows = self._latent(x)
+    kv_cache = self._write(kv_cache, rows, block_table, seq, pos)
+    lat = rows.astype(cfg.dtype)
+    w_uk, w_uv = (w[...].astype(cfg.dtype) for w in (self.kv_b_proj.w_uk, self.kv_b_proj.w_uv))
+    k_nope = jnp.einsum("tr,rhd->thd", lat[:, :r], w_uk, preferred_element_type=jnp.float32).astype(cfg.dtype)
+    v = jnp.einsum("tr,rhd->thd", lat[:, :r], w_uv, preferred_element_type=jnp.float32).astype(cfg.dtype)
+    k_pe = jnp.broadcast_to(lat[:, None, r:], (lat.shape[0], q.shape[1], cfg.qk_rope_head_dim))
+    k = jnp.concatenate([k_nope, k_pe], axis=-1)
+    # dot_product_attention needs one head dim for q, k and v: pad v to dn + dr and slice it back.
+    v = jnp.pad(v, ((0, 0), (0, 0), (0, q.shape[-1] - dv)))
+    mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
+    o = jax.nn.dot_product_attention(q[None], k[None], v[None], mask=mask[None, None], scale=cfg.mla_scale)
+    return self._output(x, o[0, :, :, :dv]), kv_cache
+
+  def decode(self, x: jax.Array, kv_cache: jax.Array, *, block_table: jax.Array,
+             seq_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Absorbed decode of one new token per sequence at position ``seq_lens[n]``.
+
+    Args:
+      x: ``[N, D]``. kv_cache: ``[pages, 64, R + dr]``. block_table: ``[N, max_pages]`` int32.
+      seq_lens: ``[N]`` int32 tokens cached before this step.
+
+    Returns:
+      ``[N, D]`` in ``cfg.dtype`` and the updated cache.
+    """
+    cfg = self.cfg
+    dn = cfg.qk_nope_head_dim
+    q = self._query(x)
+    n = x.shape[0]
+    kv_cache = self._write(kv_cache, self._latent(x), block_table, jnp.arange(n), seq_lens)
+    w_uk, w_uv = (w[...].astype(cfg.dtype) for w in (self.kv_b_proj.w_uk, self.kv_b_proj.w_uv))
+    q_lat = jnp.einsum("nhd,rhd->nhr", q[..., :dn], w_uk, preferred_element_type=jnp.float32)
+    q_abs = jnp.concatenate([q_lat.astype(cfg.dtype), q[..., dn:]], axis=-1)
+    o_lat, _ = mla_decode(q_abs, kv_cache, block_table, seq_lens + 1, scale=cfg.mla_scale,
+                          config=cfg.mla_op_config())
+    o = jnp.einsum("nhr,rhv->nhv", o_lat, w_uv, preferred_element_type=jnp.float32)
+    return self._output(x, o), kv_cache

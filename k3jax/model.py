@@ -1,0 +1,215 @@
+"""The Kimi-Linear / Kimi-K3 text model: decoder layer, model, jitted ``prefill`` / ``decode``.
+
+Parameter paths follow the HF names without the ``model.`` prefix (``embed_tokens``,
+``layers.{i}.self_attn.q_proj.kernel``, ``layers.{i}.block_sparse_moe.experts.w1``, ``norm``, ``lm_head``);
+``k3jax.nn_util.logical_axes(model)`` lists them with their logical axis names.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax import nn_util
+from k3jax.cache import KdaState, ModelCache
+from k3jax.config import KDA, PAGE_SIZE, K3Config
+from k3jax.layers.attn_res import AttnResSite
+from k3jax.layers.kda import KdaLayer
+from k3jax.layers.mla import MlaLayer
+from k3jax.layers.mlp import MLP, MoE
+from k3jax.layers.norms import RMSNorm
+from pallas_kernels import _util
+
+Mixer = Callable[[nnx.Module, jax.Array], jax.Array]
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm layer: ``self_attn`` (KDA or MLA) then ``mlp`` (dense) or ``block_sparse_moe``.
+
+  Without attention residuals: ``x += attn(input_layernorm(x))``; ``x += ffn(post_attention_layernorm(x))``.
+  With them the stream is ``(prefix_sum, blocks)``: before the attention and before the FFN the input is
+  the learned mix of ``{blocks..., prefix_sum}``; at a block start (``layer % attn_res_block_size == 0``)
+  the layer input is appended to ``blocks`` and the prefix sum restarts from the attention output.
+  """
+
+  def __init__(self, cfg: K3Config, layer: int, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.layer = layer
+    norm = dict(eps=cfg.rms_norm_eps, name="embed", dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+    self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
+    self.self_attn = (KdaLayer if cfg.layer_types[layer] == KDA else MlaLayer)(cfg, rngs=rngs)
+    if cfg.is_moe(layer):
+      self.block_sparse_moe = MoE(cfg, rngs=rngs)
+    else:
+      self.mlp = MLP(cfg, cfg.intermediate_size, rngs=rngs)
+    if cfg.attn_res_block_size is not None:
+      site = dict(eps=cfg.rms_norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
+      self.self_attention_res = AttnResSite(cfg.hidden_size, **site)
+      self.mlp_res = AttnResSite(cfg.hidden_size, **site)
+
+  def _ffn(self, x: jax.Array) -> jax.Array:
+    return self.block_sparse_moe(x) if self.cfg.is_moe(self.layer) else self.mlp(x)
+
+  def __call__(self, x: jax.Array, blocks: tuple[jax.Array, ...],
+               mixer: Mixer) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Runs the layer.
+
+    Args:
+      x: ``[M, D]`` residual stream (the prefix sum with attention residuals), ``cfg.dtype``.
+      blocks: depth checkpoints of the attention residuals (empty without them).
+      mixer: ``mixer(self_attn, h)`` runs the attention on the normalised ``h [M, D]`` (prefill or decode,
+        recording its cache update on the caller's side).
+
+    Returns:
+      The new ``x`` and ``blocks``.
+    """
+    if self.cfg.attn_res_block_size is None:
+      x = x + mixer(self.self_attn, self.input_layernorm(x))
+      return x + self._ffn(self.post_attention_layernorm(x)), blocks
+    h = self.self_attention_res(x, blocks)
+    prefix = x
+    if self.cfg.is_attn_res_checkpoint(self.layer):
+      blocks, prefix = blocks + (x,), None
+    a = mixer(self.self_attn, self.input_layernorm(h))
+    prefix = a if prefix is None else prefix + a
+    h = self.mlp_res(prefix, blocks)
+    return prefix + self._ffn(self.post_attention_layernorm(h)), blocks
+
+
+class KimiK3Model(nnx.Module):
+  """Embedding, decoder layers, (output attention residual mix), final norm and LM head.
+
+  ``prefill`` / ``decode`` return f32 logits and the updated ``ModelCache``; wrap them with
+  ``k3jax.prefill`` / ``k3jax.decode`` (jitted, cache donated).
+  """
+
+  def __init__(self, cfg: K3Config, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed_tokens = nn_util.param(rngs, nn_util.small_normal(1.0), (cfg.vocab_size, cfg.hidden_size),
+                                      cfg.param_dtype, ("vocab", "embed"))
+    self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+    if cfg.attn_res_block_size is not None:
+      self.output_attn_res = AttnResSite(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.param_dtype,
+                                         rngs=rngs)
+    self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, name="embed", dtype=cfg.dtype,
+                        param_dtype=cfg.param_dtype, rngs=rngs)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = nn_util.Linear((cfg.hidden_size,), (cfg.vocab_size,), ("embed", "vocab"),
+                                    dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+
+  def _run(self, tokens: jax.Array, mixers: list[Mixer]) -> jax.Array:
+    cfg = self.cfg
+    x = self.embed_tokens[...][tokens].astype(cfg.dtype)
+    blocks: tuple[jax.Array, ...] = ()
+    for layer, mixer in zip(self.layers, mixers):
+      x, blocks = layer(x, blocks, mixer)
+    if cfg.attn_res_block_size is not None:
+      x = self.output_attn_res(x, blocks)
+    x = self.norm(x)
+    head = self.embed_tokens[...].T if cfg.tie_word_embeddings else self.lm_head.kernel[...]
+    return jnp.dot(x, head.astype(cfg.dtype), preferred_element_type=jnp.float32)
+
+  def _mixers(self, cache: ModelCache, kda_fn, mla_fn) -> tuple[list[Mixer], dict]:
+    """One mixer per layer, each writing its layer's new cache entry into ``out``."""
+    out = {"kda": list(cache.kda), "mla": list(cache.mla)}
+    mixers, counts = [], {"kda": 0, "mla": 0}
+    for t in self.cfg.layer_types:
+      kind = "kda" if t == KDA else "mla"
+      j = counts[kind]
+      counts[kind] += 1
+      fn = kda_fn if kind == "kda" else mla_fn
+
+      def mixer(attn, h, kind=kind, j=j, fn=fn):
+        y, out[kind][j] = fn(attn, h, out[kind][j])
+        return y
+
+      mixers.append(mixer)
+    return mixers, out
+
+  def prefill(self, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
+    """Prefill of a packed varlen batch; sequence n of the batch is sequence n of the cache.
+
+    Every sequence with ``L_n > 0`` (re)starts from an empty state: its KDA slot and its first ``L_n``
+    latent rows are overwritten and ``seq_lens[n] = L_n``. Sequences with ``L_n == 0`` are left unchanged.
+
+    Args:
+      tokens: ``[T]`` int32 token ids of N packed sequences.
+      cu_seqlens: ``[N + 1]`` int32 with ``cu_seqlens[0] = 0``, non-decreasing, ``cu_seqlens[N] = T``;
+        ``N`` equals the cache's number of sequences and every ``L_n`` fits the cache capacity.
+      cache: ``ModelCache``.
+
+    Returns:
+      ``logits [T, vocab]`` f32 and the updated cache.
+    """
+    num_seqs, max_pages = cache.block_table.shape
+    _util.check_shape("tokens", tokens, (None,))
+    _util.check_dtype("tokens", tokens, (jnp.int32,))
+    _util.check_shape("cu_seqlens", cu_seqlens, (num_seqs + 1,))
+    _util.check_dtype("cu_seqlens", cu_seqlens, (jnp.int32,))
+    t = tokens.shape[0]
+    cu = _util.concrete(cu_seqlens)
+    if cu is not None:
+      lens = np.diff(cu)
+      if cu[0] != 0 or cu[-1] != t or (lens < 0).any() or lens.max(initial=0) > max_pages * PAGE_SIZE:
+        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing, end at T={t} and give lengths "
+                         f"<= {max_pages * PAGE_SIZE} (the cache capacity), got {cu.tolist()}")
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq = (jnp.searchsorted(cu_seqlens, jnp.arange(t, dtype=jnp.int32), side="right") - 1).astype(jnp.int32)
+    pos = jnp.arange(t, dtype=jnp.int32) - cu_seqlens[seq]
+    # Empty sequences get slot -1: the ops then neither read nor write their state.
+    slots = jnp.where(lens > 0, cache.state_indices, -1)
+    no_initial_state = jnp.zeros((num_seqs,), jnp.bool_)
+
+    def kda_fn(attn: KdaLayer, h, state: KdaState):
+      return attn.prefill(h, state, cu_seqlens=cu_seqlens, state_indices=slots,
+                          has_initial_state=no_initial_state)
+
+    def mla_fn(attn: MlaLayer, h, kv):
+      return attn.prefill(h, kv, seq=seq, pos=pos, block_table=cache.block_table)
+
+    mixers, out = self._mixers(cache, kda_fn, mla_fn)
+    logits = self._run(tokens, mixers)
+    seq_lens = jnp.where(lens > 0, lens, cache.seq_lens).astype(jnp.int32)
+    return logits, cache.replace(kda=tuple(out["kda"]), mla=tuple(out["mla"]), seq_lens=seq_lens)
+
+  def decode(self, tokens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
+    """One decode step: token n extends sequence n of the cache.
+
+    Args:
+      tokens: ``[N]`` int32. cache: ``ModelCache`` (every sequence must have room for one more token).
+
+    Returns:
+      ``logits [N, vocab]`` f32 and the updated cache (``seq_lens + 1``).
+    """
+    num_seqs = cache.block_table.shape[0]
+    _util.check_shape("tokens", tokens, (num_seqs,))
+    _util.check_dtype("tokens", tokens, (jnp.int32,))
+
+    def kda_fn(attn: KdaLayer, h, state: KdaState):
+      return attn.decode(h, state, state_indices=cache.state_indices)
+
+    def mla_fn(attn: MlaLayer, h, kv):
+      return attn.decode(h, kv, block_table=cache.block_table, seq_lens=cache.seq_lens)
+
+    mixers, out = self._mixers(cache, kda_fn, mla_fn)
+    logits = self._run(tokens, mixers)
+    return logits, cache.replace(kda=tuple(out["kda"]), mla=tuple(out["mla"]), seq_lens=cache.seq_lens + 1)
+
+
+@functools.partial(nnx.jit, donate_argnames=("cache",))
+def prefill(model: KimiK3Model, tokens: jax.Array, cu_seqlens: jax.Array,
+            cache: ModelCache) -> tuple[jax.Array, ModelCache]:
+  """Jitted ``model.prefill`` with the cache donated (updated in place)."""
+  return model.prefill(tokens, cu_seqlens, cache)
+
+
+@functools.partial(nnx.jit, donate_argnames=("cache",))
+def decode(model: KimiK3Model, tokens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
+  """Jitted ``model.decode`` with the cache donated (updated in place)."""
+  return model.decode(tokens, cache)
