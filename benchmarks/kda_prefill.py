@@ -1,0 +1,201 @@
+"""KDA prefill on a Hopper GPU: the Mosaic GPU kernel vs FLA's ``chunk_kda`` (PyTorch/Triton) on the same inputs.
+
+K = V = 128, bf16 inputs, Kimi-K3 lower-bound gate (lb = -5), f32 state; both sides compute the gate, the
+L2 norm of q/k and β = sigmoid inside their kernels. For every shape it prints ms, Mtok/s, FLA-time / our
+time (against the faster of FLA as called and FLA replayed from a CUDA graph), achieved TFLOP/s with the
+FLOP count of ``kda.md`` §8.1 (6d² + 3Cd + C² per token and head) and the fraction of the roofline
+``max(FLOPs / 790 TFLOP/s, bytes / 4.27 TB/s)`` (measured bf16 matmul peak and copy bandwidth of the H200).
+It also times a bf16 state pool and 1 and 4 checkpoints per sequence, and cross-checks our output against
+FLA's. Results go to stdout and, as JSON, to ``--json``.
+
+Usage (on the GPU machine, FLA installed): ``PYTHONPATH=. python3 benchmarks/kda_prefill.py --json out.json``
+"""
+
+import argparse
+import faulthandler
+import functools
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import kda
+
+K = V = 128
+C = 64
+LB = -5.0
+PEAK_FLOPS = 790e12
+COPY_BW = 4.27e12
+SHAPES = [("N=1 T=8192 H=96", (8192,), 96), ("N=1 T=32768 H=32", (32768,), 32),
+          ("N=8x1024 H=96", (1024,) * 8, 96), ("N=1 T=8192 H=11", (8192,), 11)]
+
+
+def flops(T: int, H: int) -> float:
+  return T * H * (6 * K * K + 3 * C * K + C * C)
+
+
+def min_bytes(T: int, H: int, N: int, state_bytes: int) -> float:
+  """q, k, v, g_raw read and o written in bf16, β read, one state read and written per sequence."""
+  return T * H * (5 * K * 2 + 2) + 2 * N * H * V * K * state_bytes
+
+
+def make_inputs(lens, H: int, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  T = int(sum(lens))
+  f = lambda *s: rng.normal(size=s).astype(np.float32)
+  dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), size=(H, K)))
+  return dict(q=f(T, H, K), k=f(T, H, K), v=f(T, H, V), g_raw=f(T, H, K) * 2, beta_raw=f(T, H),
+              A_log=np.log(rng.uniform(1, 16, size=H)).astype(np.float32),
+              dt_bias=np.log(np.expm1(dt)).astype(np.float32),
+              cu=np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+              h0=(rng.normal(size=(len(lens), H, V, K)) * 0.1).astype(np.float32))
+
+
+def checkpoints(lens, per_seq: int):
+  """``per_seq`` checkpoints per sequence at evenly spaced multiples of 64, each into its own slot."""
+  offsets, indptr = [], [0]
+  for n in lens:
+    step = (n // (per_seq + 1)) // C * C
+    offsets += [step * (i + 1) for i in range(per_seq)]
+    indptr.append(len(offsets))
+  N = len(lens)
+  return (np.asarray(indptr, np.int32), np.asarray(offsets, np.int32),
+          np.arange(N, N + len(offsets), dtype=np.int32))
+
+
+def bench(fn, iters: int, reps: int = 5) -> float:
+  """Median over ``reps`` of the mean wall time of ``iters`` back-to-back calls (ms); fn blocks at the end."""
+  fn(1)
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    fn(iters)
+    times.append((time.perf_counter() - t) / iters * 1e3)
+  return float(np.median(times))
+
+
+def ours(x, lens, H: int, *, state_dtype=jnp.float32, per_seq_ckpt: int = 0, iters: int = 20):
+  N = len(lens)
+  ind, off, slots = checkpoints(lens, per_seq_ckpt) if per_seq_ckpt else (
+      np.zeros(N + 1, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
+  P = N + len(off)
+  pool = np.zeros((P, H, V, K), np.float32)
+  pool[:N] = x["h0"]
+  cfg = kda.KdaConfig(lower_bound=LB, state_dtype=state_dtype, impl="pallas")
+  bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+  args = (bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["g_raw"]), bf(x["beta_raw"]), jnp.asarray(x["A_log"]),
+          jnp.asarray(x["dt_bias"]), jnp.asarray(x["cu"]))
+  tail = (jnp.arange(N, dtype=jnp.int32), jnp.ones(N, bool), jnp.asarray(ind), jnp.asarray(off),
+          jnp.asarray(slots))
+
+  def call(q, k, v, g, b, a, d, cu, pool, si, hi, ci, co, cs):
+    return kda.kda_prefill(q, k, v, g, b, A_log=a, dt_bias=d, cu_seqlens=cu, state_pool=pool,
+                           state_indices=si, has_initial_state=hi, checkpoint_indptr=ci, checkpoint_offsets=co,
+                           checkpoint_slots=cs, config=cfg)
+
+  f = jax.jit(call, donate_argnums=(8,))
+  state = {"pool": jnp.asarray(pool, state_dtype)}
+  o, state["pool"] = f(*args, jnp.asarray(pool, state_dtype), *tail)
+  o = np.asarray(o, np.float32)
+
+  def run(n):
+    out = None
+    for _ in range(n):
+      out, state["pool"] = f(*args, state["pool"], *tail)
+    jax.block_until_ready(out)
+
+  return bench(run, iters), o
+
+
+def fla(x, lens, H: int, iters: int = 20):
+  import torch
+  from fla.ops.kda import chunk_kda
+
+  dev = "cuda"
+  t = lambda a, dt=torch.bfloat16: torch.from_numpy(a).to(dev).to(dt)
+  q, k, v, g = (t(x[n])[None] for n in ("q", "k", "v", "g_raw"))
+  beta = t(x["beta_raw"])[None]
+  A_log, dt_bias = t(x["A_log"], torch.float32), t(x["dt_bias"].reshape(-1), torch.float32)
+  cu = torch.from_numpy(x["cu"].astype(np.int64)).to(dev)
+  cu_cpu = torch.from_numpy(x["cu"].astype(np.int64))
+  h0 = t(x["h0"], torch.float32)
+
+  def call():
+    return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                     use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LB,
+                     A_log=A_log, dt_bias=dt_bias, state_v_first=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+
+  with torch.no_grad():
+    o, _ = call()
+    o = o[0].float().cpu().numpy()
+
+    def run(n):
+      for _ in range(n):
+        call()
+      torch.cuda.synchronize()
+
+    t_called = bench(run, iters)
+    t_graph = None
+    try:
+      s = torch.cuda.Stream()
+      s.wait_stream(torch.cuda.current_stream())
+      with torch.cuda.stream(s):
+        for _ in range(3):
+          call()
+      torch.cuda.current_stream().wait_stream(s)
+      graph = torch.cuda.CUDAGraph()
+      with torch.cuda.graph(graph):
+        call()
+
+      def replay(n):
+        for _ in range(n):
+          graph.replay()
+        torch.cuda.synchronize()
+
+      t_graph = bench(replay, iters)
+    except Exception as e:  # a capture failure leaves the as-called time as the peer's number
+      print(f"  FLA CUDA graph capture failed: {type(e).__name__}: {e}", flush=True)
+  return t_called, t_graph, o
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--json", default=None)
+  parser.add_argument("--commit", default="unknown")
+  parser.add_argument("--no-fla", action="store_true")
+  parser.add_argument("--watchdog", type=float, default=500.0)
+  args = parser.parse_args()
+  faulthandler.dump_traceback_later(args.watchdog, exit=True)
+  print(f"devices: {jax.devices()}  commit: {args.commit}", flush=True)
+  results = []
+  for name, lens, H in SHAPES:
+    x = make_inputs(lens, H)
+    T, N = int(sum(lens)), len(lens)
+    t_ours, o = ours(x, lens, H)
+    row = dict(shape=name, T=T, H=H, N=N, ours_ms=t_ours, mtok_s=T / t_ours / 1e3,
+               tflops=flops(T, H) / t_ours / 1e9,
+               roofline_ms=max(flops(T, H) / PEAK_FLOPS, min_bytes(T, H, N, 4) / COPY_BW) * 1e3)
+    row["roofline_frac"] = row["roofline_ms"] / t_ours
+    if not args.no_fla:
+      t_called, t_graph, o_fla = fla(x, lens, H)
+      best = min(t for t in (t_called, t_graph) if t is not None)
+      row.update(fla_called_ms=t_called, fla_graph_ms=t_graph, ratio=best / t_ours,
+                 rel_rmse_vs_fla=float(np.sqrt(np.mean((o - o_fla) ** 2)) / np.sqrt(np.mean(o_fla ** 2))))
+    if name in (SHAPES[0][0], SHAPES[2][0]):
+      row["bf16_state_ms"], _ = ours(x, lens, H, state_dtype=jnp.bfloat16)
+      row["ckpt1_ms"], _ = ours(x, lens, H, per_seq_ckpt=1)
+      row["ckpt4_ms"], _ = ours(x, lens, H, per_seq_ckpt=4)
+    results.append(row)
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(commit=args.commit, results=results), f, indent=1)
+  faulthandler.cancel_dump_traceback_later()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
