@@ -180,7 +180,12 @@ def main():
                roofline_ms=max(flops(T, H) / PEAK_FLOPS, min_bytes(T, H, N, 4) / COPY_BW) * 1e3)
     row["roofline_frac"] = row["roofline_ms"] / t_ours
     if not args.no_fla:
-      t_called, t_graph, o_fla = fla(x, lens, H)
+      try:
+        t_called, t_graph, o_fla = fla(x, lens, H)
+      except Exception as e:  # keep our numbers when the peer is missing or fails
+        print(f"  FLA failed: {type(e).__name__}: {e}", flush=True)
+        args.no_fla = True
+    if not args.no_fla:
       best = min(t for t in (t_called, t_graph) if t is not None)
       row.update(fla_called_ms=t_called, fla_graph_ms=t_graph, ratio=best / t_ours,
                  rel_rmse_vs_fla=float(np.sqrt(np.mean((o - o_fla) ** 2)) / np.sqrt(np.mean(o_fla ** 2))))
