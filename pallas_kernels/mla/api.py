@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _util
-from pallas_kernels.mla import reference
+from pallas_kernels.mla import kernel, reference
 from pallas_kernels.mla.config import MlaDecodeConfig
 
 LATENT_DIM = 512  # Dc: kv_lora_rank; V is the first Dc cache columns.
@@ -52,7 +52,6 @@ def _mla_decode(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, pa
         q_abs, kv_cache, block_table, seq_lens, scale=scale, num_splits=num_splits,
         partial_dtype=partial_dtype, latent_dim=LATENT_DIM)
   else:
-    from pallas_kernels.mla import kernel  # noqa: PLC0415 (keeps Mosaic GPU out of the xla path's imports)
     o_parts, lse_parts = kernel.mla_decode_partials_mosaic(
         q_abs, kv_cache, block_table, seq_lens, scale=scale, num_splits=num_splits,
         partial_dtype=partial_dtype, interpret=impl == "interpret")

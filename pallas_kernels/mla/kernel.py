@@ -1,11 +1,273 @@
-"""Split-K absorbed MLA decode as a Pallas Mosaic GPU kernel (Hopper). Filled in by [5/9]."""
+"""Split-K absorbed MLA decode as a Pallas Mosaic GPU kernel (Hopper).
+
+One program per (64-row head tile ``hb``, split ``j``, sequence ``b``), grid ``(HB, S, B)`` with ``hb``
+fastest, so the programs that read the same KV tiles run side by side and the second read comes from L2.
+Three warpgroups: a memory warpgroup issues one TMA per 64-token page, ``kv_cache.at[block_table[b, p]]``
+(the whole ``[64, 576]`` bf16 tile, tiling ``(8, 64)`` + 128-byte swizzle), into a two-slot ring; two
+compute warpgroups share every tile, so each tile is read from HBM once for all heads of the tile.
+
+Per page, in f32 and the base-2 domain (spec ``mla.md`` §3.2):
+  * warpgroup 0 (the leader) computes ``S = q @ kv^T`` (``[64, 64]``, K = 576) once for all heads of the
+    tile, masks tokens past ``seq_len`` to ``-inf``, runs the online softmax (running max from ``-1e30``,
+    ``exp2``, row sums ``l``) and stores ``P`` (bf16) and the rescale ``alpha`` into SMEM;
+  * both compute warpgroups then do ``O_w = O_w * alpha + P @ V[:, 256w : 256w + 256]``: warpgroup ``w`` owns
+    half of the ``Dc = 512`` output columns (a ``[64, 256]`` f32 accumulator, 128 registers a thread), and V
+    is the first 512 columns of the same tile. Two barriers hand ``P`` over (ready / free).
+QK runs once per page (not once per warpgroup), and a 32-token split of QK is not possible: the wgmma K of
+``P @ V`` must span a whole 128-byte swizzle (64 bf16 tokens), so ``P`` has to be one ``[64, 64]`` tile.
+Rows past ``seq_len`` in the last page are zeroed in SMEM before ``P @ V``: their ``P`` is 0, but the cache
+may hold NaN there and ``0 * NaN = NaN``. The partial ``acc / l`` is stored in ``partial_dtype`` with its
+LSE (natural log, f32); an empty split writes ``(0, -inf)``. Only the real head rows (rounded up to 8) are
+stored. The epilogue staging buffer is aliased onto the KV ring (``plgpu.RefUnion``): a ``[64, 512]`` f32
+staging tile does not fit beside it. SMEM: q 72 KiB + ring 144 KiB + P 8 KiB + row vectors, inside the
+227 KiB only with ``reduction_scratch_bytes=0`` (row reductions of the WGMMA layout stay inside a warp).
+
+``smem_operands=True`` is the interpret-mode variant (CPU): the same kernel, but ``P @ V`` goes into a fresh
+accumulator that is added in registers, because interpret mode cannot initialise an accumulator from
+registers (``plgpu.ACC.init``). On the GPU that variant would hold two ``[64, 256]`` f32 arrays per thread.
+"""
+
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _interpret, _util
+from pallas_kernels.mla.reference import pages_per_split
+
+ROWS = 64  # query-head rows per program: one wgmma M tile
+PAGE = 64
+LATENT = 512
+DIM = 576
+COLS = LATENT // 2  # output columns per compute warpgroup
+STAGES = 2  # KV ring slots: a third [64, 576] tile would exceed the 227 KiB of SMEM
+COMPUTE_WGS = 2
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+INIT_MAX = -1e30  # finite: exp2(INIT_MAX - m) is 0 and never (-inf) - (-inf)
+
+
+def _transforms(dtype, cols: int) -> tuple:
+  """Tiling ``(8, swizzle / itemsize)`` + the widest swizzle dividing a row: a valid wgmma / TMA layout."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = next(s for s in (128, 64, 32) if (cols * itemsize) % s == 0)
+  return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_smem, row_smem, lse_smem,
+          q_bar, kv_bar, consumed_bar, p_ready_bar, p_free_bar, *, pps: int, out_rows: int, scale: float,
+          smem_operands: bool):
+  hb, split, b = lax.axis_index("hb"), lax.axis_index("split"), lax.axis_index("b")
+  wg = lax.axis_index("wg")
+  kv_smem, o_stage = ring
+  seq_len = lens_ref[b]
+  first_page = split * pps
+  num_pages = jnp.clip(pl.cdiv(seq_len, PAGE) - first_page, 0, pps)
+  row0 = pl.multiple_of(hb * ROWS, ROWS)
+  head_blocks = _util.cdiv(out_rows, ROWS)
+  last_rows = out_rows - (head_blocks - 1) * ROWS
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  along_rows = lambda x, shape: lax.broadcast_in_dim(x, shape, (0,))
+
+  def zero_v_tail(tile, cols, page_start):
+    """Zeroes this warpgroup's V columns of the rows past ``seq_len`` (last page only; NaN-safe ``P @ V``)."""
+    @pl.when(page_start + PAGE > seq_len)
+    def _():
+      v = tile.at[:, cols]
+      token = plgpu.broadcasted_iota(jnp.int32, (PAGE, COLS), 0, layout=plgpu.Layout.WGMMA)
+      v[...] = jnp.where(token < seq_len - page_start,
+                         plgpu.load(v, layout=plgpu.Layout.WGMMA, optimized=False), 0).astype(v.dtype)
+
+  def accumulate(acc, alpha, tile, cols):
+    """``acc * alpha + P @ V[:, cols]`` with P from SMEM."""
+    acc = acc * along_rows(alpha, acc.shape)
+
+    def pv(acc_ref):
+      plgpu.wgmma(acc_ref, p_smem, tile.at[:, cols])
+      if smem_operands:
+        return acc_ref[...]
+
+    if smem_operands:
+      return acc + pl.run_scoped(pv, plgpu.ACC((ROWS, COLS), jnp.float32))
+    return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+  def store_rows(copy):
+    """``copy(n)`` stores the first n rows of this head tile: only real heads (rounded up to 8) reach HBM."""
+    if last_rows == ROWS:
+      copy(ROWS)
+      return
+    pl.when(hb < head_blocks - 1)(lambda: copy(ROWS))
+    pl.when(hb == head_blocks - 1)(lambda: copy(last_rows))
+
+  def epilogue(w, acc, inv_l):
+    o_stage[w] = (acc * along_rows(inv_l, acc.shape)).astype(o_stage.dtype)
+    plgpu.commit_smem()
+    store_rows(lambda n: plgpu.copy_smem_to_gmem(
+        o_stage.at[w, pl.ds(0, n)], o_ref.at[split, b, pl.ds(row0, n), pl.ds(w * COLS, COLS)]))
+
+  def leader():
+    """Warpgroup 0: QK and the softmax for the whole page, then its half of ``P @ V``."""
+    if not smem_operands:
+      plgpu.set_max_registers(232, action="increase")
+    cols = pl.ds(0, COLS)
+    plgpu.barrier_wait(q_bar)
+
+    def page_step(i, carry):
+      acc, m, l = carry
+      slot = lax.rem(i, STAGES)
+      tile = kv_smem.at[slot]
+      page_start = (first_page + i) * PAGE
+      plgpu.barrier_wait(kv_bar.at[slot])
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, tile.T)
+        return acc_ref[...]
+
+      s = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE), jnp.float32)) * (scale * LOG2E)
+      token = plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE), 1, layout=plgpu.Layout.WGMMA)
+      s = jnp.where(token < seq_len - page_start, s, -jnp.inf)
+      m_new = jnp.maximum(m, s.max(axis=1))
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s - along_rows(m_new, s.shape))
+      l = l * alpha + p.sum(axis=1)
+
+      @pl.when(i > 0)
+      def _():
+        plgpu.barrier_wait(p_free_bar)  # warpgroup 1 is done with the previous page's P and alpha
+
+      p_smem[...] = p.astype(p_smem.dtype)
+      row_smem[...] = alpha
+      zero_v_tail(tile, cols, page_start)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(p_ready_bar)
+      acc = accumulate(acc, alpha, tile, cols)
+      plgpu.barrier_arrive(consumed_bar.at[slot])
+      return acc, m_new, l
+
+    acc = plgpu.layout_cast(jnp.zeros((ROWS, COLS), jnp.float32), plgpu.Layout.WGMMA)
+    m = plgpu.layout_cast(jnp.full((ROWS,), INIT_MAX, jnp.float32), row_layout)
+    l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)
+    acc, m, l = lax.fori_loop(0, num_pages, page_step, (acc, m, l))
+
+    @pl.when(num_pages > 0)
+    def _():
+      plgpu.barrier_wait(p_free_bar)  # warpgroup 1 is done with the ring: the staging may overwrite it
+
+    nonempty = l > 0
+    safe_l = jnp.where(nonempty, l, 1.0)
+    inv_l = jnp.where(nonempty, 1.0 / safe_l, 0.0)
+    row_smem[...] = inv_l
+    lse_smem[...] = jnp.where(nonempty, (m + jnp.log2(safe_l)) * LN2, -jnp.inf)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(p_ready_bar)
+    store_rows(lambda n: plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, n)], lse_ref.at[split, b, pl.ds(row0, n)]))
+    epilogue(0, acc, inv_l)
+    plgpu.wait_smem_to_gmem(0)
+
+  def follower():
+    """Warpgroup 1: the other half of ``P @ V`` with the leader's P and alpha."""
+    if not smem_operands:
+      plgpu.set_max_registers(232, action="increase")
+    cols = pl.ds(COLS, COLS)
+
+    def page_step(i, acc):
+      slot = lax.rem(i, STAGES)
+      tile = kv_smem.at[slot]
+      plgpu.barrier_wait(kv_bar.at[slot])
+      zero_v_tail(tile, cols, (first_page + i) * PAGE)
+      plgpu.commit_smem()
+      plgpu.barrier_wait(p_ready_bar)
+      acc = accumulate(acc, plgpu.load(row_smem, layout=row_layout), tile, cols)
+      plgpu.barrier_arrive(p_free_bar)
+      plgpu.barrier_arrive(consumed_bar.at[slot])
+      return acc
+
+    acc = plgpu.layout_cast(jnp.zeros((ROWS, COLS), jnp.float32), plgpu.Layout.WGMMA)
+    acc = lax.fori_loop(0, num_pages, page_step, acc)
+    plgpu.barrier_wait(p_ready_bar)  # the leader's 1 / l, and the leader is done with the ring
+    epilogue(1, acc, plgpu.load(row_smem, layout=row_layout))
+    plgpu.wait_smem_to_gmem(0)
+
+  pl.when(wg == 0)(leader)
+  pl.when(wg == 1)(follower)
+
+  @pl.when(wg == COMPUTE_WGS)
+  def _memory():
+    if not smem_operands:
+      plgpu.set_max_registers(40, action="decrease")
+    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS)], q_smem, q_bar)
+
+    @pl.loop(0, num_pages)
+    def _(i):
+      slot = lax.rem(i, STAGES)
+
+      @pl.when(i >= STAGES)
+      def _():
+        plgpu.barrier_wait(consumed_bar.at[slot])
+
+      plgpu.copy_gmem_to_smem(kv_ref.at[table_ref[b, first_page + i]], kv_smem.at[slot], kv_bar.at[slot])
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "partial_dtype", "interpret", "smem_operands"))
+def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, partial_dtype, interpret,
+              smem_operands):
+  batch, num_heads, dim = q_abs.shape
+  head_blocks = _util.cdiv(num_heads, ROWS)
+  out_rows = _util.cdiv(num_heads, 8) * 8  # TMA stores whole 8-row groups of the tiled staging buffer
+  q_pad = jnp.pad(q_abs, ((0, 0), (0, head_blocks * ROWS - num_heads), (0, 0)))
+  ring = plgpu.RefUnion(
+      plgpu.SMEM((STAGES, PAGE, DIM), kv_cache.dtype, transforms=_transforms(kv_cache.dtype, DIM)),
+      plgpu.SMEM((COMPUTE_WGS, ROWS, COLS), partial_dtype, transforms=_transforms(partial_dtype, COLS)))
+  kernel = plgpu.kernel(
+      functools.partial(_body, pps=pages_per_split(block_table.shape[1], num_splits), out_rows=out_rows,
+                        scale=scale, smem_operands=smem_operands),
+      out_type=(jax.ShapeDtypeStruct((num_splits, batch, out_rows, LATENT), partial_dtype),
+                jax.ShapeDtypeStruct((num_splits, batch, out_rows), jnp.float32)),
+      grid=(head_blocks, num_splits, batch),
+      grid_names=("hb", "split", "b"),
+      num_threads=COMPUTE_WGS + 1,
+      thread_name="wg",
+      scratch_types=(
+          plgpu.SMEM((ROWS, dim), q_abs.dtype, transforms=_transforms(q_abs.dtype, dim)),
+          ring,
+          plgpu.SMEM((ROWS, PAGE), kv_cache.dtype, transforms=_transforms(kv_cache.dtype, PAGE)),
+          plgpu.SMEM((ROWS,), jnp.float32),
+          plgpu.SMEM((ROWS,), jnp.float32),
+          plgpu.Barrier(),
+          plgpu.Barrier(num_barriers=STAGES),
+          plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES),
+          plgpu.Barrier(),
+          plgpu.Barrier(),
+      ),
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+  )
+  with _interpret.interpret_mode(interpret):
+    o_parts, lse_parts = kernel(q_pad, kv_cache, block_table, seq_lens)
+  return o_parts[:, :, :num_heads], lse_parts[:, :, :num_heads]
 
 
 def mla_decode_partials_mosaic(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array,
                                seq_lens: jax.Array, *, scale: float, num_splits: int,
-                               partial_dtype: jnp.dtype, interpret: bool) -> tuple[jax.Array, jax.Array]:
-  """Kernel path of ``mla_decode``: the split partials, as ``reference.mla_decode_partials_reference``."""
-  raise NotImplementedError("mla_decode with impl='pallas'/'interpret' lands with [5/9]")
+                               partial_dtype: jnp.dtype, interpret: bool,
+                               smem_operands: bool | None = None) -> tuple[jax.Array, jax.Array]:
+  """Kernel path of ``mla_decode``: the split partials, as ``reference.mla_decode_partials_reference``.
+
+  Args:
+    q_abs: ``[B, Hq, 576]`` bf16 (Hq is padded to a multiple of 64 rows inside; any Hq >= 1).
+    kv_cache: ``[pages, 64, 576]`` bf16. block_table: ``[B, max_pages]`` int32. seq_lens: ``[B]`` int32.
+      Already validated by ``mla_decode``.
+    scale: softmax scale. num_splits: splits S (each ``pages_per_split`` pages). partial_dtype: bf16/f32.
+    interpret: run in Mosaic GPU interpret mode (CPU).
+    smem_operands: the interpret-safe variant (see the module docstring); None = ``interpret``.
+
+  Returns:
+    ``o_parts [S, B, Hq, 512]`` in ``partial_dtype`` (normalised) and ``lse_parts [S, B, Hq]`` f32 natural
+    log; an empty split is ``(0, -inf)``.
+  """
+  return _partials(q_abs, kv_cache, block_table, seq_lens, scale=scale, num_splits=num_splits,
+                   partial_dtype=jnp.dtype(partial_dtype), interpret=interpret,
+                   smem_operands=interpret if smem_operands is None else smem_operands)
