@@ -282,7 +282,8 @@ def kda_chunk_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, 
   return o.reshape(B, T, H, V), _final_states(states, chunk_offsets, init)
 
 
-def _activate(q, k, g_raw, beta_raw, A_log, dt_bias, lower_bound):
+def _activate(q: jax.Array, k: jax.Array, g_raw: jax.Array, beta_raw: jax.Array, A_log: jax.Array,
+              dt_bias: jax.Array, lower_bound: float | None) -> tuple[jax.Array, ...]:
   """L2 norm of q, k, the gate and beta's sigmoid: the raw -> kernel-input step shared by prefill/decode."""
   return (l2norm(q), l2norm(k), kda_gate(g_raw, A_log, dt_bias, lower_bound=lower_bound),
           jax.nn.sigmoid(beta_raw.astype(_f32)))
