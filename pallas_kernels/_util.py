@@ -59,7 +59,7 @@ def check_shape(name: str, x, expected: tuple) -> None:
   """``expected`` entries are ints or None (any size)."""
   shape = tuple(x.shape)
   if len(shape) != len(expected) or any(e is not None and e != s for e, s in zip(expected, shape)):
-    want = tuple("*" if e is None else e for e in expected)
+    want = "(" + ", ".join("*" if e is None else str(e) for e in expected) + ("," if len(expected) == 1 else "") + ")"
     raise ValueError(f"{name} must have shape {want}, got {shape}")
 
 

@@ -207,11 +207,11 @@ VAL_LENS = (0, 1, 63, 64, 133, 5)
 VAL_CKPTS = ((), (), (), ((64, 12),), ((64, -1), (128, 13)), ())
 
 PREFILL_ERRORS = [
-    ("q-ndim", _map("q", lambda x: x[None]), r"q must have shape \('\*', '\*', '\*'\), got \(1, 266, 2, 16\)"),
+    ("q-ndim", _map("q", lambda x: x[None]), r"q must have shape \(\*, \*, \*\), got \(1, 266, 2, 16\)"),
     ("q-dtype", _map("q", lambda x: x.astype(jnp.int32)), r"q must have dtype in .*got int32"),
     ("k-shape", _map("k", lambda x: x[:, :, :8]), r"k must have shape \(266, 2, 16\), got \(266, 2, 8\)"),
     ("k-dtype", _map("k", lambda x: x.astype(jnp.bfloat16)), r"k must have the dtype of q \(float32\), got bfloat16"),
-    ("v-shape", _map("v", lambda x: x[:, :1]), r"v must have shape \(266, 2, '\*'\), got \(266, 1, 16\)"),
+    ("v-shape", _map("v", lambda x: x[:, :1]), r"v must have shape \(266, 2, \*\), got \(266, 1, 16\)"),
     ("v-dtype", _map("v", lambda x: x.astype(jnp.float16)), r"v must have the dtype of q"),
     ("g_raw-shape", _map("g_raw", lambda x: x[:-1]), r"g_raw must have shape \(266, 2, 16\)"),
     ("g_raw-dtype", _map("g_raw", lambda x: x.astype(jnp.int32)), r"g_raw must have dtype"),
@@ -221,10 +221,10 @@ PREFILL_ERRORS = [
     ("A_log-dtype", _map("A_log", lambda x: x.astype(jnp.bfloat16)), r"A_log must have dtype in \['float32'\]"),
     ("dt_bias-shape", _map("dt_bias", lambda x: x.reshape(-1)), r"dt_bias must have shape \(2, 16\)"),
     ("dt_bias-dtype", _map("dt_bias", lambda x: x.astype(jnp.bfloat16)), r"dt_bias must have dtype"),
-    ("pool-shape", _map("state_pool", lambda x: x[..., :8]), r"state_pool must have shape \('\*', 2, 16, 16\)"),
+    ("pool-shape", _map("state_pool", lambda x: x[..., :8]), r"state_pool must have shape \(\*, 2, 16, 16\)"),
     ("pool-dtype", _map("state_pool", lambda x: x.astype(jnp.bfloat16)),
      r"state_pool must have config.state_dtype \(float32\), got bfloat16"),
-    ("cu-ndim", _map("cu_seqlens", lambda x: x[None]), r"cu_seqlens must have shape \('\*',\)"),
+    ("cu-ndim", _map("cu_seqlens", lambda x: x[None]), r"cu_seqlens must have shape \(\*,\)"),
     ("cu-len", _set(cu_seqlens=i32(0)), r"cu_seqlens must have shape \(N \+ 1,\) with N >= 1, got \(1,\)"),
     ("cu-dtype", _map("cu_seqlens", lambda x: x.astype(jnp.float32)), r"cu_seqlens must have dtype in \['int32'\]"),
     ("cu-start", _set(cu_seqlens=i32(1, 1, 1, 64, 128, 261, 266)),

@@ -220,7 +220,7 @@ def _call_prefill(args):
     (dict(x=jnp.zeros((6, D), jnp.int32)), r"x must have dtype"),
     (dict(weight=jnp.zeros((D, 1))), r"weight must have shape \(24, W\) with W >= 2"),
     (dict(weight=jnp.zeros((D + 1, W))), r"weight must have shape"),
-    (dict(conv_pool=jnp.zeros((P, W, D))), r"conv_pool must have shape \('\*', 3, 24\)"),
+    (dict(conv_pool=jnp.zeros((P, W, D))), r"conv_pool must have shape \(\*, 3, 24\)"),
     (dict(conv_pool=jnp.zeros((P, W - 1, D), jnp.int32)), r"conv_pool must have dtype"),
     (dict(cu_seqlens=jnp.asarray([0, 4, 6], jnp.float32)), r"cu_seqlens must have dtype"),
     (dict(cu_seqlens=jnp.asarray([0, 4, 5], jnp.int32)), r"end at T=6"),
