@@ -1,0 +1,695 @@
+"""Hugging Face checkpoints (Kimi-Linear and Kimi-K3 formats) to ``KimiK3Model`` parameters, and back for tests.
+
+``load_hf`` reads ``config.json``, ``model.safetensors.index.json`` and the shards (memory-mapped), maps every
+HF tensor to its parameter and places each parameter directly with its sharding (and the ``PaddingPlan`` of
+``k3jax.sharding``): a device receives only its block, and a host holds at most one converted tensor (one
+device's experts for a stacked expert tensor). ``write_tiny_hf`` writes random checkpoints with the real
+names and layouts.
+
+Formats (``model_type`` in ``config.json``):
+
+* ``kimi_linear``: flat config, names ``model.*`` / ``lm_head.weight``, ``A_log [1, 1, H, 1]``.
+* ``kimi_k3``: config under ``text_config``, names prefixed ``language_model.``, ``A_log [K]`` (the H values
+  zero-padded to the head dim; the tail must be zero), vision tensors (``vision_tower.*``, ``mm_projector.*``,
+  ``multi_modal_projector.*``) skipped by an explicit rule.
+
+Conversion: Linear ``[out, in]`` becomes ``[in, out]`` reshaped to the module's head-split kernel;
+``kv_b_proj [H*(dn+dv), R]`` becomes ``W_UK [R, H, dn]`` and ``W_UV [R, H, dv]``; ``experts.{e}.w1/w3/w2``
+are stacked to ``[E, De, I]`` / ``[E, I, De]``; convs ``[P, 1, W]`` become ``[H, K, W]``; ``dt_bias [P]``
+becomes ``[H, K]``. Router, ``A_log`` and ``dt_bias`` are kept in f32 (the module's dtypes).
+
+MXFP4 routed experts (compressed-tensors ``mxfp4-pack-quantized``, group 32): ``weight_packed [out, in/2]``
+uint8 holds two e2m1 codes per byte (element ``2j`` in the low nibble, ``2j+1`` in the high nibble; code bit 3
+is the sign, bits 0-2 index ``0, .5, 1, 1.5, 2, 3, 4, 6``) and ``weight_scale [out, in/32]`` uint8 holds E8M0
+exponents (``2 ** (s - 127)``; 255 is NaN and rejected). Dequantization is exact in f32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterable
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from k3jax import sharding as sharding_lib
+from k3jax.config import KDA, K3Config
+from k3jax.model import KimiK3Model
+
+FORMATS = ("kimi_linear", "kimi_k3")
+K3_PREFIX = "language_model."
+VISION_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+MXFP4_GROUP = 32
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+_E8M0_NAN = 255
+_FLOAT_DTYPES = ("BF16", "F16", "F32")
+_NP_DTYPE = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "U8": np.uint8}
+
+
+# ------------------------------------------------------------------------------------------------ MXFP4
+def mxfp4_dequantize(packed: np.ndarray, scale: np.ndarray, name: str = "weight") -> np.ndarray:
+  """Exact dequantization of one MXFP4 matrix.
+
+  Args:
+    packed: ``[out, in / 2]`` uint8, two e2m1 codes per byte (low nibble first).
+    scale: ``[out, in / 32]`` uint8 E8M0 exponents.
+    name: the tensor's name, for errors.
+
+  Returns:
+    ``[out, in]`` float32.
+
+  Raises:
+    ValueError: wrong dtypes or shapes, or a NaN scale (255).
+  """
+  if packed.dtype != np.uint8 or scale.dtype != np.uint8:
+    raise ValueError(f"{name}: weight_packed and weight_scale must be uint8, got {packed.dtype} and {scale.dtype}")
+  out, half = packed.shape
+  if scale.shape != (out, 2 * half // MXFP4_GROUP) or (2 * half) % MXFP4_GROUP:
+    raise ValueError(f"{name}: weight_scale must be [{out}, {2 * half} / {MXFP4_GROUP}] for weight_packed "
+                     f"{tuple(packed.shape)}, got {tuple(scale.shape)}")
+  if (scale == _E8M0_NAN).any():
+    raise ValueError(f"{name}: weight_scale holds the E8M0 NaN code 255 at {np.argwhere(scale == _E8M0_NAN)[:4].tolist()}")
+  codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(out, 2 * half)
+  mag = _E2M1[codes & 7]
+  vals = np.where(codes & 8, -mag, mag).reshape(out, -1, MXFP4_GROUP)
+  return np.ldexp(vals, scale.astype(np.int32)[..., None] - 127).astype(np.float32).reshape(out, 2 * half)
+
+
+def _mxfp4_draw(rng: np.random.Generator, shape: tuple[int, int], std: float) -> tuple[np.ndarray, np.ndarray]:
+  """Random ``N(0, std)`` weights rounded to MXFP4: ``(codes [out, in] uint8, scales [out, in/32] uint8)``."""
+  out, inp = shape
+  x = rng.normal(0.0, std, (out, inp // MXFP4_GROUP, MXFP4_GROUP))
+  amax = np.maximum(np.abs(x).max(-1), 1e-30)
+  exp = np.clip(np.ceil(np.log2(amax / _E2M1[-1])), -127, 127).astype(np.int32)  # |x| / 2^exp <= 6
+  y = x / np.ldexp(1.0, exp)[..., None]
+  idx = np.abs(np.abs(y)[..., None] - _E2M1).argmin(-1).astype(np.uint8)
+  codes = np.where((y < 0) & (idx > 0), idx | 8, idx).astype(np.uint8)
+  return codes.reshape(out, inp), (exp + 127).astype(np.uint8)
+
+
+def _mxfp4_pack(codes: np.ndarray) -> np.ndarray:
+  return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+
+
+# ------------------------------------------------------------------------------------------------ name table
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+  """How one model parameter comes from the checkpoint.
+
+  Attributes:
+    path: the parameter's path in ``nnx.state(model)``.
+    hf: HF name without the format prefix; for stacked experts a template with ``{e}`` and no suffix.
+    hf_shape: the HF tensor's shape (per expert for stacked experts).
+    kind: what the tensor is ("linear", "norm", "embed", "conv", "a_log", "a_log_padded", "dt_bias", "bias",
+      "expert"); decides the random draw of ``write_tiny_hf`` and the special checks.
+    view: shape after the optional transpose (a reshape).
+    transpose: the HF tensor is a ``[out, in]`` Linear weight.
+    part: slice of the last axis of ``view`` kept (``kv_b_proj`` halves, the padded K3 ``A_log``).
+    num_experts: > 0 for a stack of per-expert tensors along a new leading axis.
+  """
+
+  path: tuple
+  hf: str
+  hf_shape: tuple[int, ...]
+  kind: str
+  view: tuple[int, ...]
+  transpose: bool = False
+  part: slice | None = None
+  num_experts: int = 0
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The parameter's (unpadded) shape."""
+    view = self.view if self.part is None else self.view[:-1] + (len(range(*self.part.indices(self.view[-1]))),)
+    return ((self.num_experts,) if self.num_experts else ()) + view
+
+  def convert(self, a: np.ndarray, name: str) -> np.ndarray:
+    """HF-layout ``a`` (one expert for a stack) -> the parameter layout, as float32."""
+    a = np.asarray(a, np.float32)
+    a = (a.T if self.transpose else a).reshape(self.view)
+    if self.part is None:
+      return a
+    if self.kind == "a_log_padded":
+      tail = a[self.part.stop:]
+      if tail.any():
+        raise ValueError(f"{name}: the kimi_k3 A_log holds {self.part.stop} head values zero-padded to "
+                         f"{a.shape[0]}, but its tail [{self.part.stop}:] is not zero: {tail.tolist()}")
+    return a[..., self.part]
+
+
+def _rules(cfg: K3Config, fmt: str) -> list[_Rule]:
+  """Every parameter of ``KimiK3Model(cfg)`` with its HF source in format ``fmt``."""
+  rules: list[_Rule] = []
+  d, v = cfg.hidden_size, cfg.vocab_size
+
+  def lin(path, hf, out, inp, view):
+    rules.append(_Rule(path + ("kernel",), hf + ".weight", (out, inp), "linear", view, transpose=True))
+
+  def norm(path, hf, n):
+    rules.append(_Rule(path + ("weight",), hf + ".weight", (n,), "norm", (n,)))
+
+  def attn_res(path, hf):
+    rules.append(_Rule(path + ("norm",), hf + "_res_norm.weight", (d,), "norm", (d,)))
+    rules.append(_Rule(path + ("proj",), hf + "_res_proj.weight", (1, d), "linear", (d, 1), transpose=True))
+
+  def mlp(path, hf, width):
+    lin(path + ("gate_proj",), hf + "gate_proj", width, d, (d, width))
+    lin(path + ("up_proj",), hf + "up_proj", width, d, (d, width))
+    lin(path + ("down_proj",), hf + "down_proj", d, width, (width, d))
+
+  rules.append(_Rule(("embed_tokens",), "model.embed_tokens.weight", (v, d), "embed", (v, d)))
+  for i, kind in enumerate(cfg.layer_types):
+    lp, hp = ("layers", i), f"model.layers.{i}."
+    norm(lp + ("input_layernorm",), hp + "input_layernorm", d)
+    norm(lp + ("post_attention_layernorm",), hp + "post_attention_layernorm", d)
+    if cfg.attn_res_block_size is not None:
+      attn_res(lp + ("self_attention_res",), hp + "self_attention")
+      attn_res(lp + ("mlp_res",), hp + "mlp")
+    ap, ha = lp + ("self_attn",), hp + "self_attn."
+    if kind == KDA:
+      h, k, w = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size
+      p = h * k
+      for n in ("q", "k", "v"):
+        lin(ap + (f"{n}_proj",), ha + f"{n}_proj", p, d, (d, h, k))
+        rules.append(_Rule(ap + (f"{n}_conv1d", "weight"), ha + f"{n}_conv1d.weight", (p, 1, w), "conv", (h, k, w)))
+      if fmt == "kimi_k3":
+        rules.append(_Rule(ap + ("A_log",), ha + "A_log", (k,), "a_log_padded", (k,), part=slice(0, h)))
+      else:
+        rules.append(_Rule(ap + ("A_log",), ha + "A_log", (1, 1, h, 1), "a_log", (h,)))
+      rules.append(_Rule(ap + ("dt_bias",), ha + "dt_bias", (p,), "dt_bias", (h, k)))
+      lin(ap + ("f_a_proj",), ha + "f_a_proj", k, d, (d, k))
+      lin(ap + ("f_b_proj",), ha + "f_b_proj", p, k, (k, h, k))
+      lin(ap + ("b_proj",), ha + "b_proj", h, d, (d, h))
+      if cfg.use_full_rank_gate:
+        lin(ap + ("g_proj",), ha + "g_proj", p, d, (d, h, k))
+      else:
+        lin(ap + ("g_a_proj",), ha + "g_a_proj", k, d, (d, k))
+        lin(ap + ("g_b_proj",), ha + "g_b_proj", p, k, (k, h, k))
+      norm(ap + ("o_norm",), ha + "o_norm", k)
+      lin(ap + ("o_proj",), ha + "o_proj", d, p, (h, k, d))
+    else:
+      h, r, dn, dv = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
+      dqk = dn + cfg.qk_rope_head_dim
+      if cfg.q_lora_rank is None:
+        lin(ap + ("q_proj",), ha + "q_proj", h * dqk, d, (d, h, dqk))
+      else:
+        rq = cfg.q_lora_rank
+        lin(ap + ("q_a_proj",), ha + "q_a_proj", rq, d, (d, rq))
+        norm(ap + ("q_a_layernorm",), ha + "q_a_layernorm", rq)
+        lin(ap + ("q_b_proj",), ha + "q_b_proj", h * dqk, rq, (rq, h, dqk))
+      lin(ap + ("kv_a_proj_with_mqa",), ha + "kv_a_proj_with_mqa", r + cfg.qk_rope_head_dim, d,
+          (d, r + cfg.qk_rope_head_dim))
+      norm(ap + ("kv_a_layernorm",), ha + "kv_a_layernorm", r)
+      for name, part in (("w_uk", slice(0, dn)), ("w_uv", slice(dn, dn + dv))):
+        rules.append(_Rule(ap + ("kv_b_proj", name), ha + "kv_b_proj.weight", (h * (dn + dv), r), "linear",
+                           (r, h, dn + dv), transpose=True, part=part))
+      if cfg.mla_use_output_gate:
+        lin(ap + ("g_proj",), ha + "g_proj", h * dv, d, (d, h, dv))
+      lin(ap + ("o_proj",), ha + "o_proj", d, h * dv, (h, dv, d))
+    if not cfg.is_moe(i):
+      mlp(lp + ("mlp",), hp + "mlp.", cfg.intermediate_size)
+      continue
+    mp, hm = lp + ("block_sparse_moe",), hp + "block_sparse_moe."
+    e, de, inter = cfg.num_experts, cfg.moe_hidden_size, cfg.moe_intermediate_size
+    lin(mp + ("gate",), hm + "gate", e, d, (d, e))
+    rules.append(_Rule(mp + ("gate", "e_score_correction_bias"), hm + "gate.e_score_correction_bias", (e,),
+                       "bias", (e,)))
+    for name, out, inp in (("w1", inter, de), ("w3", inter, de), ("w2", de, inter)):
+      rules.append(_Rule(mp + ("experts", name), hm + "experts.{e}." + name, (out, inp), "expert", (inp, out),
+                         transpose=True, num_experts=e))
+    if cfg.num_shared_experts:
+      mlp(mp + ("shared_experts",), hm + "shared_experts.", inter * cfg.num_shared_experts)
+    if cfg.routed_expert_hidden_size is not None:
+      lin(mp + ("routed_expert_down_proj",), hm + "routed_expert_down_proj", de, d, (d, de))
+      lin(mp + ("routed_expert_up_proj",), hm + "routed_expert_up_proj", d, de, (de, d))
+      if cfg.latent_moe_use_norm:
+        norm(mp + ("routed_expert_norm",), hm + "routed_expert_norm", de)
+  if cfg.attn_res_block_size is not None:
+    attn_res(("output_attn_res",), "model.output_attn_res")
+  norm(("norm",), "model.norm", d)
+  if not cfg.tie_word_embeddings:
+    lin(("lm_head",), "lm_head", v, d, (d, v))
+  return rules
+
+
+def _expert_names(rule: _Rule, e: int, mxfp4: bool) -> list[str]:
+  base = rule.hf.format(e=e)
+  return [base + ".weight_packed", base + ".weight_scale"] if mxfp4 else [base + ".weight"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Expected:
+  shape: tuple[int, ...]
+  dtypes: tuple[str, ...]
+
+
+def _expected_tensors(rules: list[_Rule], prefix: str, mxfp4: bool) -> dict[str, _Expected]:
+  """HF name (with prefix) -> expected shape and allowed dtypes, for every tensor the rules read."""
+  out = {}
+  for rule in rules:
+    if not rule.num_experts:
+      out[prefix + rule.hf] = _Expected(rule.hf_shape, _FLOAT_DTYPES)
+      continue
+    rows, cols = rule.hf_shape
+    for e in range(rule.num_experts):
+      names = _expert_names(rule, e, mxfp4)
+      if mxfp4:
+        out[prefix + names[0]] = _Expected((rows, cols // 2), ("U8",))
+        out[prefix + names[1]] = _Expected((rows, cols // MXFP4_GROUP), ("U8",))
+      else:
+        out[prefix + names[0]] = _Expected(rule.hf_shape, _FLOAT_DTYPES)
+  return out
+
+
+# ------------------------------------------------------------------------------------------------ config
+def _read_json(path: str, what: str) -> dict:
+  if not os.path.isfile(path):
+    raise ValueError(f"{what} not found: {path}")
+  with open(path) as f:
+    return json.load(f)
+
+
+def _mxfp4_from_config(raw: dict) -> bool:
+  """Whether the routed experts are MXFP4 (``quantization_config`` at the top level or in ``text_config``).
+
+  Raises:
+    NotImplementedError: a quantization other than compressed-tensors ``mxfp4-pack-quantized`` with 4-bit
+      float weights in groups of 32.
+  """
+  q = raw.get("quantization_config", raw.get("text_config", {}).get("quantization_config"))
+  if q is None:
+    return False
+  if q.get("quant_method") != "compressed-tensors" or q.get("format") != MXFP4_FORMAT:
+    raise NotImplementedError(f"quantization_config must be compressed-tensors {MXFP4_FORMAT!r} (MXFP4 routed "
+                              f"experts), got quant_method={q.get('quant_method')!r} format={q.get('format')!r}")
+  for name, group in q.get("config_groups", {}).items():
+    w = group.get("weights", {})
+    got = (w.get("num_bits"), w.get("type"), w.get("group_size"))
+    if got != (4, "float", MXFP4_GROUP):
+      raise NotImplementedError(f"quantization_config.config_groups.{name}.weights must be 4-bit float in groups "
+                                f"of {MXFP4_GROUP} (num_bits, type, group_size), got {got}")
+  return True
+
+
+def _mxfp4_config() -> dict:
+  weights = {"num_bits": 4, "type": "float", "group_size": MXFP4_GROUP, "strategy": "group", "symmetric": True,
+             "dynamic": False}
+  return {"quant_method": "compressed-tensors", "format": MXFP4_FORMAT,
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "format": MXFP4_FORMAT}},
+          "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*",
+                     "re:.*routed_expert_(down|up)_proj.*", "re:.*block_sparse_moe\\.gate.*", "lm_head",
+                     "re:vision_tower.*", "re:mm_projector.*"]}
+
+
+def _architecture_diff(a: K3Config, b: K3Config) -> dict:
+  ha, hb = a.to_hf("kimi_linear"), b.to_hf("kimi_linear")
+  return {k: (ha.get(k), hb.get(k)) for k in sorted(set(ha) | set(hb)) if ha.get(k) != hb.get(k)}
+
+
+# ------------------------------------------------------------------------------------------------ reading
+class _Checkpoint:
+  """The tensors of a checkpoint directory: ``name -> (file, shape, dtype)`` from the shard headers."""
+
+  def __init__(self, path: str):
+    self.path = path
+    index_path = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index_path):
+      weight_map = _read_json(index_path, INDEX_FILE).get("weight_map")
+      if not isinstance(weight_map, dict):
+        raise ValueError(f"{index_path}: must hold a 'weight_map' object of tensor name -> shard file")
+    elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
+      weight_map = None
+    else:
+      raise ValueError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
+    files = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_FILE]
+    self.info: dict[str, tuple[str, tuple[int, ...], str]] = {}
+    self._files = {}
+    for fname in files:
+      fpath = os.path.join(path, fname)
+      if not os.path.isfile(fpath):
+        names = sorted(n for n, f in weight_map.items() if f == fname)
+        raise ValueError(f"shard {fname} named by {INDEX_FILE} (for {len(names)} tensors, e.g. {names[0]!r}) "
+                         f"does not exist in {path}")
+      handle = safe_open(fpath, framework="numpy")
+      self._files[fname] = handle
+      for name in handle.keys():
+        if weight_map is not None and weight_map.get(name) != fname:
+          raise ValueError(f"tensor {name!r} is in shard {fname} but {INDEX_FILE} maps it to "
+                           f"{weight_map.get(name)!r}")
+        sl = handle.get_slice(name)
+        self.info[name] = (fname, tuple(sl.get_shape()), sl.get_dtype())
+    if weight_map is not None:
+      lost = sorted(set(weight_map) - set(self.info))
+      if lost:
+        raise ValueError(f"tensors {lost[:5]} are in {INDEX_FILE} but not in the shard it names "
+                         f"({weight_map[lost[0]]} for {lost[0]!r})")
+
+  def read(self, name: str) -> np.ndarray:
+    return self._files[self.info[name][0]].get_tensor(name)
+
+  def nbytes(self, name: str) -> int:
+    _, shape, dtype = self.info[name]
+    return math.prod(shape) * np.dtype(_NP_DTYPE.get(dtype, np.uint8)).itemsize
+
+
+def _check_tensors(ckpt: _Checkpoint, expected: dict[str, _Expected], fmt: str) -> None:
+  """Strict name, shape and dtype check of the whole checkpoint, before anything is read."""
+  present = set(ckpt.info)
+  skipped = {n for n in present if fmt == "kimi_k3" and n.startswith(VISION_PREFIXES)}
+  missing = sorted(set(expected) - present)
+  if missing:
+    details = ", ".join(f"{n} {list(expected[n].shape)}" for n in missing[:8])
+    raise ValueError(f"checkpoint {ckpt.path} is missing {len(missing)} tensors the {fmt} config needs: {details}"
+                     + (" ..." if len(missing) > 8 else ""))
+  unexpected = sorted(present - set(expected) - skipped)
+  if unexpected:
+    raise ValueError(f"checkpoint {ckpt.path} has {len(unexpected)} tensors the {fmt} config does not use: "
+                     f"{unexpected[:8]}" + (" ..." if len(unexpected) > 8 else "")
+                     + (" (vision tensors are only skipped in the kimi_k3 format)"
+                        if any(n.startswith(VISION_PREFIXES) for n in unexpected) else ""))
+  for name, exp in expected.items():
+    fname, shape, dtype = ckpt.info[name]
+    if shape != exp.shape or dtype not in exp.dtypes:
+      raise ValueError(f"tensor {name} ({fname}): expected shape {list(exp.shape)} with dtype in "
+                       f"{list(exp.dtypes)}, got shape {list(shape)} dtype {dtype}")
+
+
+class _Progress:
+  """One stderr line, refreshed at most every 0.2 s: parameters placed and checkpoint bytes read."""
+
+  def __init__(self, ckpt: _Checkpoint, total_params: int, names: Iterable[str], enabled: bool):
+    self.ckpt, self.total_params, self.enabled = ckpt, total_params, enabled
+    self.total_bytes = sum(ckpt.nbytes(n) for n in names)
+    self.params = self.bytes = 0
+    self._seen: set[str] = set()
+    self._shown = 0.0
+
+  def read(self, name: str) -> np.ndarray:
+    """``ckpt.read(name)``, counting its bytes once however often it is read."""
+    if name not in self._seen:
+      self._seen.add(name)
+      self.bytes += self.ckpt.nbytes(name)
+    return self.ckpt.read(name)
+
+  def placed(self) -> None:
+    self.params += 1
+    last = self.params == self.total_params
+    if not self.enabled or (not last and time.monotonic() - self._shown < 0.2):
+      return
+    self._shown = time.monotonic()
+    sys.stderr.write(f"\rload_hf: {self.params}/{self.total_params} parameters, "
+                     f"{self.bytes / 2**20:.1f}/{self.total_bytes / 2**20:.1f} MiB read" + ("\n" if last else ""))
+    sys.stderr.flush()
+
+
+class _Source:
+  """Blocks of one parameter (unpadded, f32), read from the checkpoint only as far as a block needs."""
+
+  def __init__(self, rule: _Rule, prefix: str, mxfp4: bool, progress: _Progress):
+    self.rule, self.prefix, self.mxfp4, self.progress = rule, prefix, mxfp4, progress
+    self._whole: np.ndarray | None = None
+
+  def _expert(self, e: int) -> np.ndarray:
+    names = [self.prefix + n for n in _expert_names(self.rule, e, self.mxfp4)]
+    if self.mxfp4:
+      a = mxfp4_dequantize(self.progress.read(names[0]), self.progress.read(names[1]), names[0])
+    else:
+      a = self.progress.read(names[0])
+    return self.rule.convert(a, names[0])
+
+  def block(self, bounds: list[tuple[int, int]]) -> np.ndarray:
+    """The parameter's ``[start, stop)`` block per dim (bounds within the unpadded shape)."""
+    if self.rule.num_experts:
+      (e0, e1), rest = bounds[0], bounds[1:]
+      experts = [self._expert(e) for e in range(e0, e1)]
+      stack = np.stack(experts) if experts else np.zeros((0,) + self.rule.shape[1:], np.float32)
+      return stack[(slice(None),) + tuple(slice(a, b) for a, b in rest)]
+    if self._whole is None:
+      name = self.prefix + self.rule.hf
+      self._whole = self.rule.convert(self.progress.read(name), name)
+    return self._whole[tuple(slice(a, b) for a, b in bounds)]
+
+
+def _padded_block(source: _Source, index: tuple, padded: tuple[int, ...], fill: float, dtype) -> np.ndarray:
+  """Block ``index`` of the padded parameter: real values in front, ``fill`` past the real size of each dim."""
+  real = source.rule.shape
+  want = [idx.indices(p)[:2] for idx, p in zip(index, padded)]
+  bounds = [(min(a, r), min(b, r)) for (a, b), r in zip(want, real)]
+  blk = source.block(bounds)
+  widths = [(0, (b - a) - (hi - lo)) for (a, b), (lo, hi) in zip(want, bounds)]
+  if any(w for _, w in widths):
+    blk = np.pad(blk, widths, constant_values=fill)
+  return np.ascontiguousarray(blk.astype(dtype))
+
+
+def _abstract_params(cfg: K3Config) -> tuple[nnx.GraphDef, nnx.State, list]:
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: KimiK3Model(cfg, rngs=nnx.Rngs(0))))
+  return graphdef, state, list(nnx.to_flat_state(state))
+
+
+def _check_rules_cover(rules: list[_Rule], flat: Iterable) -> None:
+  """The name table and the model agree on every parameter and its shape (guards against model changes)."""
+  by_path = {r.path: r for r in rules}
+  params = {path: var.shape for path, var in flat}
+  unmapped = sorted(set(params) - set(by_path), key=str)
+  extra = sorted(set(by_path) - set(params), key=str)
+  if unmapped or extra:
+    raise ValueError(f"checkpoint name table and KimiK3Model disagree: parameters without a checkpoint tensor "
+                     f"{['.'.join(map(str, p)) for p in unmapped[:5]]}, table entries without a parameter "
+                     f"{['.'.join(map(str, p)) for p in extra[:5]]}")
+  for path, shape in params.items():
+    if tuple(shape) != by_path[path].shape:
+      raise ValueError(f"parameter {'.'.join(map(str, path))} has shape {tuple(shape)} but its checkpoint tensor "
+                       f"{by_path[path].hf} converts to {by_path[path].shape}")
+
+
+def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, config: K3Config | None = None, *,
+            progress: bool = True) -> tuple[K3Config, KimiK3Model]:
+  """Loads a Kimi-Linear or Kimi-K3 HF checkpoint into a ``KimiK3Model``.
+
+  Args:
+    path: directory with ``config.json`` and ``model.safetensors.index.json`` plus shards (or one
+      ``model.safetensors``).
+    mesh: None places every parameter whole on the default device. A mesh with the ``"model"`` axis pads
+      the model with ``PaddingPlan.for_config(cfg, mesh size)`` and places each parameter directly with the
+      sharding of its logical axes (as ``k3jax.sharding.shard_model`` would).
+    config: None builds the config from ``config.json``. A ``K3Config`` sets what ``config.json`` does not
+      hold (dtypes, ``impl``, ``latent_norm_eps``); every architecture field it shares with ``config.json``
+      must agree.
+    progress: print a progress line (parameters placed, MiB read) on stderr.
+
+  Returns:
+    ``(cfg, model)``: the unpadded config and the model (``model.cfg`` is the padded config with a mesh; run
+    it with ``k3jax.sharding.jit_model_step(model, mesh, vocab_size=cfg.vocab_size)``).
+
+  Raises:
+    ValueError: a missing, unexpected, wrongly shaped or typed tensor (named, with what was expected), a
+      non-zero tail of a K3 ``A_log``, an MXFP4 NaN scale, inconsistent index/shards, a ``config`` that
+      contradicts ``config.json``, or a mesh without the ``"model"`` axis.
+    NotImplementedError: a quantization other than MXFP4 routed experts.
+  """
+  path = os.fspath(path)
+  raw = _read_json(os.path.join(path, "config.json"), "config.json")
+  fmt = raw.get("model_type")
+  hf_cfg = K3Config.from_hf(raw)
+  if config is not None:
+    if not isinstance(config, K3Config):
+      raise ValueError(f"config must be a K3Config or None, got {type(config).__name__}")
+    diff = _architecture_diff(config, hf_cfg)
+    if diff:
+      raise ValueError(f"config contradicts {os.path.join(path, 'config.json')} on {{key: (config, config.json)}} "
+                       f"{diff}")
+    hf_cfg = config
+  cfg = hf_cfg
+  if mesh is not None and sharding_lib.MODEL not in mesh.axis_names:
+    raise ValueError(f"mesh must have the {sharding_lib.MODEL!r} axis (k3jax.sharding.make_mesh), got axes "
+                     f"{mesh.axis_names}")
+  mxfp4 = _mxfp4_from_config(raw)
+  prefix = K3_PREFIX if fmt == "kimi_k3" else ""
+  rules = _rules(cfg, fmt)
+  ckpt = _Checkpoint(path)
+  expected = _expected_tensors(rules, prefix, mxfp4)
+  _check_tensors(ckpt, expected, fmt)
+
+  _, _, real_flat = _abstract_params(cfg)
+  _check_rules_cover(rules, real_flat)
+  plan = sharding_lib.PaddingPlan.for_config(cfg, 1 if mesh is None else sharding_lib.mesh_size(mesh))
+  graphdef, state, flat = _abstract_params(plan.config(cfg))
+  by_path = {r.path: r for r in rules}
+  bar = _Progress(ckpt, len(flat), expected, progress)
+  for path, var in flat:
+    names = var.get_metadata()["logical_axes"]
+    if mesh is None:
+      target = SingleDeviceSharding(jax.devices()[0])
+    else:
+      sharding_lib.check_divisible(".".join(map(str, path)), var.shape, names, mesh)
+      target = NamedSharding(mesh, sharding_lib.spec(*names))
+    source = _Source(by_path[path], prefix, mxfp4, bar)
+    fill = float(sharding_lib._PAD_FILL.get(path[-1], 0.0))
+    dtype = np.dtype(var.dtype)
+    var.set_value(jax.make_array_from_callback(
+        tuple(var.shape), target,
+        lambda index, source=source, shape=tuple(var.shape), fill=fill, dtype=dtype:
+        _padded_block(source, index, shape, fill, dtype)))
+    bar.placed()
+  return cfg, nnx.merge(graphdef, state)
+
+
+# ------------------------------------------------------------------------------------------------ writing
+def _vision_tensors(rng: np.random.Generator, d: int) -> dict[str, np.ndarray]:
+  """A few MoonViT / projector tensors, so that readers must skip them explicitly."""
+  shapes = {"vision_tower.patch_embed.proj.weight": (16, 3, 2, 2),
+            "vision_tower.encoder.blocks.0.attn.wqkv.weight": (48, 16),
+            "vision_tower.encoder.final_layernorm.weight": (16,),
+            "mm_projector.pre_norm.weight": (16,),
+            "mm_projector.proj.0.weight": (d, 64)}
+  return {n: rng.normal(0.0, 0.1, s).astype(ml_dtypes.bfloat16) for n, s in shapes.items()}
+
+
+def _draw(rng: np.random.Generator, rule: _Rule) -> np.ndarray:
+  """A random HF tensor for ``rule`` (not experts), in its checkpoint dtype."""
+  shape, kind = rule.hf_shape, rule.kind
+  bf16 = ml_dtypes.bfloat16
+  if kind == "linear":
+    return rng.normal(0.0, shape[-1] ** -0.5, shape).astype(bf16)
+  if kind == "embed":
+    return rng.normal(0.0, 1.0, shape).astype(bf16)
+  if kind == "norm":
+    # 1 + N(0, 0.05): a missing multiplication by the weight cannot cancel out.
+    return (1.0 + 0.05 * rng.normal(size=shape)).astype(bf16)
+  if kind == "conv":
+    return rng.normal(0.0, shape[-1] ** -0.5, shape).astype(np.float32)
+  if kind == "bias":
+    return rng.normal(0.0, 0.1, shape).astype(np.float32)
+  if kind == "dt_bias":
+    dt = np.maximum(np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), shape)), 1e-4)
+    return (dt + np.log(-np.expm1(-dt))).astype(np.float32)  # softplus^-1(dt)
+  if kind == "a_log":
+    return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
+  if kind == "a_log_padded":
+    out = np.zeros(shape, np.float32)
+    out[rule.part] = np.log(rng.uniform(1.0, 16.0, out[rule.part].shape))
+    return out
+  raise ValueError(f"no random draw for tensor kind {kind!r}")
+
+
+def _shard_groups(names: list[str], sizes: dict[str, int], num_shards: int) -> list[list[str]]:
+  """Consecutive groups of about equal bytes, none empty."""
+  total, groups, acc = sum(sizes.values()), [[] for _ in range(num_shards)], 0
+  for i, name in enumerate(names):
+    # Keep at least one tensor for every remaining shard.
+    g = min(int(acc * num_shards / total), num_shards - 1, num_shards - (len(names) - i))
+    g = max(g, max((j for j, grp in enumerate(groups) if grp), default=0))
+    groups[g].append(name)
+    acc += sizes[name]
+  return groups
+
+
+def write_tiny_hf(path: str | os.PathLike, config: K3Config, seed: int, fmt: str = "kimi_linear",
+                  mxfp4: bool = False, *, num_shards: int = 3) -> str:
+  """Writes a random checkpoint of ``config`` with the real HF names, layouts and files.
+
+  Files: ``config.json`` (``config.to_hf(fmt)``, plus ``quantization_config`` with ``mxfp4``),
+  ``generation_config.json``, ``model.safetensors.index.json`` and ``num_shards`` shards
+  ``model-0000i-of-0000n.safetensors``. Linear weights are ``N(0, 1/in)`` bf16 ``[out, in]``, norm weights
+  ``1 + N(0, 0.05)`` bf16, ``A_log``/``dt_bias``/convs/correction bias f32. Routed expert weights are always
+  drawn on the MXFP4 grid (e2m1 times a power of two per 32 inputs), so the bf16 (``mxfp4=False``) and
+  the MXFP4 checkpoint of one seed dequantize to identical weights. ``kimi_k3`` also writes vision tensors.
+
+  Args:
+    path: output directory (created).
+    config: the architecture (``K3Config``).
+    seed: RNG seed; equal seeds give equal weights in both formats and both expert encodings.
+    fmt: "kimi_linear" or "kimi_k3".
+    mxfp4: routed experts as ``weight_packed`` + ``weight_scale``.
+    num_shards: number of safetensors files (>= 2 unless the model has fewer tensors).
+
+  Returns:
+    ``path`` as a string.
+
+  Raises:
+    ValueError: a bad ``fmt`` or ``num_shards``; MXFP4 with an expert input width not a multiple of 32;
+      ``kimi_k3`` with more KDA heads than the head dim (its ``A_log`` is padded to the head dim).
+  """
+  if fmt not in FORMATS:
+    raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+  if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+    raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+  if mxfp4:
+    widths = {"moe hidden size (w1/w3 input)": config.moe_hidden_size,
+              "moe_intermediate_size (w2 input)": config.moe_intermediate_size}
+    bad = {k: v for k, v in widths.items() if v % MXFP4_GROUP}
+    if bad:
+      raise ValueError(f"mxfp4 needs expert input widths that are multiples of {MXFP4_GROUP}, got {bad}")
+  if fmt == "kimi_k3" and config.kda_num_heads > config.kda_head_dim and KDA in config.layer_types:
+    raise ValueError(f"the kimi_k3 A_log holds kda_num_heads={config.kda_num_heads} values zero-padded to "
+                     f"kda_head_dim={config.kda_head_dim}; it needs kda_num_heads <= kda_head_dim")
+  path = os.fspath(path)
+  os.makedirs(path, exist_ok=True)
+  rng = np.random.default_rng(seed)
+  prefix = K3_PREFIX if fmt == "kimi_k3" else ""
+  tensors: dict[str, np.ndarray] = {}
+  for rule in _rules(config, fmt):
+    name = prefix + rule.hf
+    if rule.num_experts:
+      rows, cols = rule.hf_shape
+      for e in range(rule.num_experts):
+        codes, scale = _mxfp4_draw(rng, rule.hf_shape, cols ** -0.5)
+        names = [prefix + n for n in _expert_names(rule, e, mxfp4)]
+        if mxfp4:
+          tensors[names[0]], tensors[names[1]] = _mxfp4_pack(codes), scale
+        else:
+          tensors[names[0]] = mxfp4_dequantize(_mxfp4_pack(codes), scale).astype(ml_dtypes.bfloat16)
+    elif name not in tensors:  # kv_b_proj feeds two parameters
+      tensors[name] = _draw(rng, rule)
+  if fmt == "kimi_k3":
+    tensors.update(_vision_tensors(rng, config.hidden_size))
+
+  hf_config = config.to_hf(fmt)
+  hf_config["torch_dtype"] = "bfloat16"
+  if mxfp4:
+    hf_config["quantization_config"] = _mxfp4_config()
+  if fmt == "kimi_k3":
+    hf_config["vision_config"] = {"model_type": "moonvit", "hidden_size": 16, "patch_size": 2}
+    hf_config["media_placeholder_token_id"] = config.vocab_size - 1
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(hf_config, f, indent=2)
+  with open(os.path.join(path, "generation_config.json"), "w") as f:
+    json.dump({"max_new_tokens": 32, "do_sample": False}, f, indent=2)
+
+  names = list(tensors)
+  groups = _shard_groups(names, {n: tensors[n].nbytes for n in names}, min(num_shards, len(names)))
+  weight_map = {}
+  for i, group in enumerate(groups):
+    fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+    save_file({n: np.ascontiguousarray(tensors[n]) for n in group}, os.path.join(path, fname),
+              metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(group, fname))
+  index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))}, "weight_map": weight_map}
+  with open(os.path.join(path, INDEX_FILE), "w") as f:
+    json.dump(index, f, indent=2)
+  return path
+
+
+def hf_tensor_names(config: K3Config, fmt: str, mxfp4: bool = False) -> dict[str, tuple[int, ...]]:
+  """HF name -> shape of every text tensor a checkpoint of ``config`` in ``fmt`` holds (docs and tests)."""
+  if fmt not in FORMATS:
+    raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+  prefix = K3_PREFIX if fmt == "kimi_k3" else ""
+  return {n: e.shape for n, e in _expected_tensors(_rules(config, fmt), prefix, mxfp4).items()}
+
+
+__all__ = ["FORMATS", "hf_tensor_names", "load_hf", "mxfp4_dequantize", "write_tiny_hf"]
