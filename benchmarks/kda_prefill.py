@@ -161,15 +161,56 @@ def fla(x, lens, H: int, iters: int = 20):
   return t_called, t_graph, o
 
 
+def profile(lens, H: int, iters: int = 10) -> dict:
+  """Times stage 1 (prep) and stage 2 (state pass) of our kernel separately (ms)."""
+  from pallas_kernels.kda import prefill_kernel, prefill_prep, prefill_state
+
+  x = make_inputs(lens, H)
+  T, N = int(sum(lens)), len(lens)
+  bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+  q, k, v, g = (bf(x[n]) for n in ("q", "k", "v", "g_raw"))
+  beta_t = jnp.pad(jnp.asarray(x["beta_raw"]).T, ((0, 0), (0, C)))
+  cu = jnp.asarray(x["cu"])
+  num_slots = -(-T // C) + N
+  chunk_start, nch, seq_lens, tok, rows = prefill_kernel._chunk_table(cu, num_slots)
+  prep = jax.jit(functools.partial(prefill_prep.prep, scale=K ** -0.5, lower_bound=LB))
+  pargs = (q, k, v, g, beta_t, jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]), tok, rows)
+  work = prep(*pargs)
+  ck = prefill_kernel._checkpoint_table(jnp.zeros(N + 1, jnp.int32), jnp.zeros(0, jnp.int32),
+                                        jnp.zeros(0, jnp.int32), chunk_start, num_slots)
+  seq_meta = (chunk_start, nch, cu[:-1], seq_lens, jnp.arange(N, dtype=jnp.int32), jnp.ones(N, jnp.int32))
+
+  @jax.jit
+  def state(work, pool):
+    pool_ref = jax.new_ref(pool)
+    o = prefill_state.state_pass(*work, pool_ref, seq_meta, ck, T=T, out_dtype=jnp.bfloat16)
+    return o, pool_ref[...]
+
+  pool = jnp.asarray(x["h0"])
+
+  def run_prep(n):
+    jax.block_until_ready([prep(*pargs) for _ in range(n)])
+
+  def run_state(n):
+    jax.block_until_ready([state(work, pool) for _ in range(n)])
+
+  return dict(T=T, H=H, N=N, prep_ms=bench(run_prep, iters), state_ms=bench(run_state, iters))
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--json", default=None)
   parser.add_argument("--commit", default="unknown")
   parser.add_argument("--no-fla", action="store_true")
   parser.add_argument("--watchdog", type=float, default=500.0)
+  parser.add_argument("--profile", action="store_true", help="only time the two stages separately")
   args = parser.parse_args()
   faulthandler.dump_traceback_later(args.watchdog, exit=True)
   print(f"devices: {jax.devices()}  commit: {args.commit}", flush=True)
+  if args.profile:
+    for name, lens, H in (SHAPES[0], SHAPES[3]):
+      print(name, json.dumps(profile(lens, H)), flush=True)
+    return 0
   results = []
   for name, lens, H in SHAPES:
     x = make_inputs(lens, H)
