@@ -243,7 +243,11 @@ def short_conv_update(x: jax.Array, weight: jax.Array, *, conv_pool: jax.Array, 
       raise ValueError("num_accepted is only valid with the speculative form (x of rank 3)")
     x, state_indices = x[:, None], state_indices[:, None]
     num_accepted = jnp.ones((n,), jnp.int32)
-  _check_distinct_writes([("state_indices", _util.concrete(state_indices))])
+  slots, accepted = _util.concrete(state_indices), _util.concrete(num_accepted)
+  if slots is not None and accepted is not None:
+    # Rows whose read slot is -1 are padding and write nothing.
+    live = slots[np.arange(n), accepted - 1] >= 0
+    _check_distinct_writes([("state_indices", slots[live])])
 
   y, new_pool = _update(x, weight, conv_pool, state_indices, num_accepted, activation=activation)
   return (y if speculative else y[:, 0]), new_pool
