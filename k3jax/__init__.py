@@ -1,1 +1,13 @@
-"""k3jax: a Kimi-K3 style hybrid (KDA + MLA + latent MoE) transformer in Flax NNX."""
+"""k3jax: a Kimi-K3 style hybrid (KDA + MLA + latent MoE) transformer in Flax NNX.
+
+``K3Config`` (``from_hf``, ``preset``) describes the model, ``KimiK3Model`` holds the parameters,
+``init_cache`` builds the KDA state pool and the paged MLA latent cache, and the jitted ``prefill`` /
+``decode`` run a packed varlen prefill and one decode step with the cache donated.
+"""
+
+from k3jax.cache import KdaState, ModelCache, SlotAllocator, init_cache
+from k3jax.config import K3Config, preset
+from k3jax.model import DecoderLayer, KimiK3Model, decode, prefill
+
+__all__ = ["DecoderLayer", "K3Config", "KdaState", "KimiK3Model", "ModelCache", "SlotAllocator", "decode",
+           "init_cache", "prefill", "preset"]

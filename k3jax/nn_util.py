@@ -19,11 +19,13 @@ Logical names (``None`` in a name tuple means "never sharded"):
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 LOGICAL_AXES = frozenset({
@@ -74,17 +76,33 @@ def logical_axes(module: nnx.Module) -> dict[str, tuple[str | None, ...]]:
 # ------------------------------------------------------------------------------------------- initialisers
 # Random weights exist for tests and demos only (real ones come from checkpoints); they are drawn so that
 # a forgotten multiplication cannot cancel out (norm weights 1 + N(0, 0.05), non-zero biases).
+def random_values(key: jax.Array, shape: tuple[int, ...], dtype, *, dist: str, a: float, b: float) -> jax.Array:
+  """``a + b * N(0, 1)`` (``dist="normal"``) or ``U(a, b)`` (``dist="uniform"``) of ``shape``, in ``dtype``.
+
+  Eagerly the values are drawn on the host from a NumPy generator seeded by the key: eager ``jax.random``
+  compiles one program per distinct shape, which made building even a tiny model take a minute on CPU.
+  Under tracing (``nnx.eval_shape``, a jitted sharded init) ``jax.random`` is used.
+  """
+  if isinstance(key, jax.core.Tracer):
+    if dist == "normal":
+      x = a + b * jax.random.normal(key, shape, jnp.float32)
+    else:
+      x = jax.random.uniform(key, shape, jnp.float32, a, b)
+    return x.astype(dtype)
+  rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel())
+  x = a + b * rng.standard_normal(shape) if dist == "normal" else rng.uniform(a, b, shape)
+  return jnp.asarray(x.astype(np.float32), dtype)
+
+
 def fan_in_normal(num_in: int) -> Init:
-  std = 1.0 / math.sqrt(num_in)
-  return lambda key, shape, dtype: (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-
-
-def norm_weight(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
-  return (1.0 + 0.05 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+  return functools.partial(random_values, dist="normal", a=0.0, b=1.0 / math.sqrt(num_in))
 
 
 def small_normal(std: float) -> Init:
-  return lambda key, shape, dtype: (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+  return functools.partial(random_values, dist="normal", a=0.0, b=std)
+
+
+norm_weight: Init = functools.partial(random_values, dist="normal", a=1.0, b=0.05)
 
 
 class Linear(nnx.Module):

@@ -4,8 +4,6 @@ The oracles (``np_*``) are also used by tests/test_model.py for the whole-model 
 (params, activations, caches); tolerances are a few f32 ulps scaled by the reduction lengths.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +11,6 @@ import pytest
 from flax import nnx
 
 from k3jax import config as cfg_lib
-from k3jax import nn_util
 from k3jax.cache import SlotAllocator, init_cache
 from k3jax.layers.attn_res import AttnResSite
 from k3jax.layers.kda import KdaLayer
@@ -258,7 +255,6 @@ def _pool_row(pool, slot):
 @pytest.mark.parametrize("name", ["tiny", "tiny_linear"])
 def test_kda_layer_prefill_then_decode(name):
   cfg = tiny(name)
-  h, kd, width = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size
   m = KdaLayer(cfg, rngs=nnx.Rngs(5))
   cu = np.array([0, 5, 5, 12], np.int32)  # the middle sequence is empty
   x = rand_x(cfg, 12, seed=6)
@@ -290,7 +286,6 @@ def test_kda_layer_prefill_then_decode(name):
   assert_close(after.recurrent[3], finals_d[0][0].transpose(0, 2, 1), atol=1e-5)
   assert_close(after.recurrent[0], finals_d[1][0].transpose(0, 2, 1), atol=1e-5)
   assert np.isnan(np.asarray(after.recurrent)[[1, 2, 4]]).all()
-  del h, kd, width
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_linear"])
@@ -323,6 +318,6 @@ def test_mla_layer_prefill_then_decode(name):
                       xd, kv, table, jnp.asarray([70, 9], jnp.int32))
   for n, (s, e) in enumerate(((0, 70), (70, 79))):
     full = np.concatenate([npf(x)[s:e], npf(xd)[n:n + 1]])
-    ref_n, rows_n = np_mla(cfg, m, full, np.array([0, e - s + 1]))
+    ref_n, _ = np_mla(cfg, m, full, np.array([0, e - s + 1]))
     assert_close(yd[n], ref_n[-1])
   assert np.isnan(np.asarray(kv)[2]).all()

@@ -25,12 +25,12 @@ _CONVS = (("q", "conv_q"), ("k", "conv_k"), ("v", "conv_v"))
 
 
 def _a_log_init(key, shape, dtype):
-  return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
+  return jnp.log(nn_util.random_values(key, shape, jnp.float32, dist="uniform", a=1.0, b=16.0)).astype(dtype)
 
 
 def _dt_bias_init(key, shape, dtype):
-  dt = jnp.exp(jax.random.uniform(key, shape, jnp.float32, math.log(1e-3), math.log(1e-1)))
-  dt = jnp.maximum(dt, 1e-4)
+  log_dt = nn_util.random_values(key, shape, jnp.float32, dist="uniform", a=math.log(1e-3), b=math.log(1e-1))
+  dt = jnp.maximum(jnp.exp(log_dt), 1e-4)
   return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)  # softplus^-1(dt)
 
 
