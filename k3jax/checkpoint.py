@@ -72,7 +72,7 @@ def mxfp4_dequantize(packed: np.ndarray, scale: np.ndarray, name: str = "weight"
     ``[out, in]`` float32.
 
   Raises:
-    ValueError: wrong dtypes or shapes, or a NaN scale (255).
+    ValueError: wrong dtypes or shapes, a NaN scale (255), or a value beyond the float32 range.
   """
   if packed.dtype != np.uint8 or scale.dtype != np.uint8:
     raise ValueError(f"{name}: weight_packed and weight_scale must be uint8, got {packed.dtype} and {scale.dtype}")
@@ -81,11 +81,17 @@ def mxfp4_dequantize(packed: np.ndarray, scale: np.ndarray, name: str = "weight"
     raise ValueError(f"{name}: weight_scale must be [{out}, {2 * half} / {MXFP4_GROUP}] for weight_packed "
                      f"{tuple(packed.shape)}, got {tuple(scale.shape)}")
   if (scale == _E8M0_NAN).any():
-    raise ValueError(f"{name}: weight_scale holds the E8M0 NaN code 255 at {np.argwhere(scale == _E8M0_NAN)[:4].tolist()}")
+    where = np.argwhere(scale == _E8M0_NAN)[:4].tolist()
+    raise ValueError(f"{name}: weight_scale holds the E8M0 NaN code 255 at {where}")
   codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(out, 2 * half)
   mag = _E2M1[codes & 7]
   vals = np.where(codes & 8, -mag, mag).reshape(out, -1, MXFP4_GROUP)
-  return np.ldexp(vals, scale.astype(np.int32)[..., None] - 127).astype(np.float32).reshape(out, 2 * half)
+  with np.errstate(over="ignore"):
+    w = np.ldexp(vals, scale.astype(np.int32)[..., None] - 127).reshape(out, 2 * half)
+  if not np.isfinite(w).all():
+    raise ValueError(f"{name}: dequantized values overflow float32 at {np.argwhere(~np.isfinite(w))[:4].tolist()} "
+                     f"(e2m1 code times 2 ** (scale - 127) exceeds 3.4e38)")
+  return w
 
 
 def _mxfp4_draw(rng: np.random.Generator, shape: tuple[int, int], std: float) -> tuple[np.ndarray, np.ndarray]:
@@ -238,7 +244,7 @@ def _rules(cfg: K3Config, fmt: str) -> list[_Rule]:
       if cfg.latent_moe_use_norm:
         norm(mp + ("routed_expert_norm",), hm + "routed_expert_norm", de)
   if cfg.attn_res_block_size is not None:
-    attn_res(("output_attn_res",), "model.output_attn_res")
+    attn_res(("output_attn_res",), "model.output_attn")
   norm(("norm",), "model.norm", d)
   if not cfg.tie_word_embeddings:
     lin(("lm_head",), "lm_head", v, d, (d, v))
@@ -520,12 +526,10 @@ def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, conf
   mxfp4 = _mxfp4_from_config(raw)
   prefix = K3_PREFIX if fmt == "kimi_k3" else ""
   rules = _rules(cfg, fmt)
+  _check_rules_cover(rules, _abstract_params(cfg)[2])
   ckpt = _Checkpoint(path)
   expected = _expected_tensors(rules, prefix, mxfp4)
   _check_tensors(ckpt, expected, fmt)
-
-  _, _, real_flat = _abstract_params(cfg)
-  _check_rules_cover(rules, real_flat)
   plan = sharding_lib.PaddingPlan.for_config(cfg, 1 if mesh is None else sharding_lib.mesh_size(mesh))
   graphdef, state, flat = _abstract_params(plan.config(cfg))
   by_path = {r.path: r for r in rules}
@@ -587,13 +591,12 @@ def _draw(rng: np.random.Generator, rule: _Rule) -> np.ndarray:
 
 
 def _shard_groups(names: list[str], sizes: dict[str, int], num_shards: int) -> list[list[str]]:
-  """Consecutive groups of about equal bytes, none empty."""
-  total, groups, acc = sum(sizes.values()), [[] for _ in range(num_shards)], 0
+  """``num_shards <= len(names)`` consecutive groups of about equal bytes, none empty."""
+  total, groups, acc, last = max(sum(sizes.values()), 1), [[] for _ in range(num_shards)], 0, 0
   for i, name in enumerate(names):
-    # Keep at least one tensor for every remaining shard.
-    g = min(int(acc * num_shards / total), num_shards - 1, num_shards - (len(names) - i))
-    g = max(g, max((j for j, grp in enumerate(groups) if grp), default=0))
-    groups[g].append(name)
+    # Never skip a group, and leave at least one tensor for every later group.
+    last = max(last, num_shards - (len(names) - i), min(acc * num_shards // total, last + 1, num_shards - 1))
+    groups[last].append(name)
     acc += sizes[name]
   return groups
 
