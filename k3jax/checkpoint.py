@@ -143,8 +143,7 @@ class _Rule:
     return ((self.num_experts,) if self.num_experts else ()) + view
 
   def convert(self, a: np.ndarray, name: str) -> np.ndarray:
-    """HF-layout ``a`` (one expert for a stack) -> the parameter layout, as float32."""
-    a = np.asarray(a, np.float32)
+    """HF-layout ``a`` (one expert for a stack) -> the parameter layout, in ``a``'s dtype (cast once, later)."""
     a = (a.T if self.transpose else a).reshape(self.view)
     if self.part is None:
       return a
@@ -422,7 +421,7 @@ class _Progress:
 
 
 class _Source:
-  """Blocks of one parameter (unpadded, f32), read from the checkpoint only as far as a block needs."""
+  """Blocks of one parameter (unpadded, checkpoint dtype), read only as far as a block needs."""
 
   def __init__(self, rule: _Rule, prefix: str, mxfp4: bool, progress: _Progress):
     self.rule, self.prefix, self.mxfp4, self.progress = rule, prefix, mxfp4, progress
@@ -441,7 +440,7 @@ class _Source:
     if self.rule.num_experts:
       (e0, e1), rest = bounds[0], bounds[1:]
       experts = [self._expert(e) for e in range(e0, e1)]
-      stack = np.stack(experts) if experts else np.zeros((0,) + self.rule.shape[1:], np.float32)
+      stack = np.stack(experts) if experts else np.zeros((0,) + self.rule.shape[1:], np.float32)  # padding only
       return stack[(slice(None),) + tuple(slice(a, b) for a, b in rest)]
     if self._whole is None:
       name = self.prefix + self.rule.hf
@@ -510,16 +509,15 @@ def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, conf
   path = os.fspath(path)
   raw = _read_json(os.path.join(path, "config.json"), "config.json")
   fmt = raw.get("model_type")
-  hf_cfg = K3Config.from_hf(raw)
+  cfg = K3Config.from_hf(raw)
   if config is not None:
     if not isinstance(config, K3Config):
       raise ValueError(f"config must be a K3Config or None, got {type(config).__name__}")
-    diff = _architecture_diff(config, hf_cfg)
+    diff = _architecture_diff(config, cfg)
     if diff:
       raise ValueError(f"config contradicts {os.path.join(path, 'config.json')} on {{key: (config, config.json)}} "
                        f"{diff}")
-    hf_cfg = config
-  cfg = hf_cfg
+    cfg = config
   if mesh is not None and sharding_lib.MODEL not in mesh.axis_names:
     raise ValueError(f"mesh must have the {sharding_lib.MODEL!r} axis (k3jax.sharding.make_mesh), got axes "
                      f"{mesh.axis_names}")

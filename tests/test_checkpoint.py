@@ -166,6 +166,14 @@ def test_single_file_checkpoint(written, tmp_path):
     np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]), err_msg=name)
 
 
+def test_tied_embeddings(tmp_path):
+  cfg = LINEAR.replace(tie_word_embeddings=True)
+  path = ck.write_tiny_hf(tmp_path, cfg, seed=1, num_shards=2)
+  assert "lm_head.weight" not in _read_all(path)
+  loaded, model = ck.load_hf(path, progress=False)
+  assert loaded == cfg and not hasattr(model, "lm_head") and "lm_head.kernel" not in _flat(model)
+
+
 def test_progress_line(written, capsys):
   ck.load_hf(written["kimi_linear", False], progress=True)
   err = capsys.readouterr().err
