@@ -8,6 +8,9 @@ hidden except for the smallest problems), the achieved bandwidth counting the KV
 (``B * context * 576 * 2``), and its fraction of the device-to-device copy bandwidth measured in the same
 run (bytes read + written by a 2 GiB ``jnp.copy``). The plain-XLA path (``impl="xla"``, the split-K
 reference) is timed where its f32 intermediates fit comfortably (at most 1M tokens).
+
+The full grid (54 kernel configurations, each compiled once) takes about five minutes on the H200; pass
+``--batch/--context/--heads`` subsets to split it over several calls.
 """
 
 import argparse

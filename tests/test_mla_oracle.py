@@ -31,17 +31,17 @@ def make_inputs(seed: int, lens, *, num_heads: int, max_pages: int, num_pages: i
   num_pages = num_pages or max(int(need.sum()), 1) + 3
   ids = first_page + rng.permutation(num_pages - first_page)[: int(need.sum())]
   table = np.array(PAD_IDS, np.int32)[rng.integers(0, 2, (len(lens), max_pages))]
-  cache = np.full((num_pages, page, dim), np.nan, np.float32)
+  used = np.full((int(need.sum()), page, dim), np.nan, np.float32)
   start = 0
   for b, length in enumerate(lens):
-    pages = ids[start:start + need[b]]
-    start += need[b]
-    table[b, :need[b]] = pages
-    rows = np.full((need[b] * page, dim), np.nan, np.float32)
+    table[b, :need[b]] = ids[start:start + need[b]]
+    rows = used[start:start + need[b]].reshape(-1, dim)
     rows[:length] = rng.standard_normal((length, dim))
-    cache[pages] = rows.reshape(need[b], page, dim)
+    start += need[b]
   q = rng.standard_normal((len(lens), num_heads, dim)) * q_std
-  return (jnp.asarray(q, q_dtype), jnp.asarray(cache, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens))
+  # Only the used pages are built on the host: the cache itself may be gigabytes (page ids above 65535).
+  cache = jnp.full((num_pages, page, dim), jnp.nan, jnp.bfloat16).at[ids].set(jnp.asarray(used, jnp.bfloat16))
+  return jnp.asarray(q, q_dtype), cache, jnp.asarray(table), jnp.asarray(lens)
 
 
 def oracle(q, cache, table, lens, *, scale: float, latent: int = LATENT):
