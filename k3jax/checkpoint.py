@@ -393,11 +393,12 @@ def _check_tensors(ckpt: _Checkpoint, expected: dict[str, _Expected], fmt: str) 
 
 
 class _Progress:
-  """One stderr line, refreshed at most every 0.2 s: parameters placed and checkpoint bytes read."""
+  """One stderr line, refreshed at most every 0.2 s: parameters placed, checkpoint tensors and bytes read."""
 
   def __init__(self, ckpt: _Checkpoint, total_params: int, names: Iterable[str], enabled: bool):
     self.ckpt, self.total_params, self.enabled = ckpt, total_params, enabled
-    self.total_bytes = sum(ckpt.nbytes(n) for n in names)
+    names = list(names)
+    self.total_tensors, self.total_bytes = len(names), sum(ckpt.nbytes(n) for n in names)
     self.params = self.bytes = 0
     self._seen: set[str] = set()
     self._shown = 0.0
@@ -415,8 +416,9 @@ class _Progress:
     if not self.enabled or (not last and time.monotonic() - self._shown < 0.2):
       return
     self._shown = time.monotonic()
-    sys.stderr.write(f"\rload_hf: {self.params}/{self.total_params} parameters, "
-                     f"{self.bytes / 2**20:.1f}/{self.total_bytes / 2**20:.1f} MiB read" + ("\n" if last else ""))
+    sys.stderr.write(f"\rload_hf: {self.params}/{self.total_params} parameters, {len(self._seen)}/"
+                     f"{self.total_tensors} tensors, {self.bytes / 2**20:.1f}/{self.total_bytes / 2**20:.1f} MiB"
+                     + ("\n" if last else ""))
     sys.stderr.flush()
 
 
@@ -494,7 +496,7 @@ def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, conf
     config: None builds the config from ``config.json``. A ``K3Config`` sets what ``config.json`` does not
       hold (dtypes, ``impl``, ``latent_norm_eps``); every architecture field it shares with ``config.json``
       must agree.
-    progress: print a progress line (parameters placed, MiB read) on stderr.
+    progress: print a progress line on stderr (parameters placed, checkpoint tensors and MiB read).
 
   Returns:
     ``(cfg, model)``: the unpadded config and the model (``model.cfg`` is the padded config with a mesh; run

@@ -178,7 +178,9 @@ def test_progress_line(written, capsys):
   ck.load_hf(written["kimi_linear", False], progress=True)
   err = capsys.readouterr().err
   n = len(_flat(nnx.eval_shape(lambda: k3jax.KimiK3Model(LINEAR, rngs=nnx.Rngs(0)))))
-  assert f"load_hf: {n}/{n} parameters" in err and "MiB read" in err and err.endswith("\n")
+  t = len(ck.hf_tensor_names(LINEAR, "kimi_linear"))
+  total = sum(a.nbytes for a in _read_all(written["kimi_linear", False]).values()) / 2**20
+  assert err.endswith(f"load_hf: {n}/{n} parameters, {t}/{t} tensors, {total:.1f}/{total:.1f} MiB\n")
 
 
 # ---------------------------------------------------------------------------------------------- MXFP4
