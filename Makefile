@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?= -n 2
 
-.PHONY: demo test test-gpu clean venv
+.PHONY: demo test test-gpu notebooks clean venv
 
 venv: $(STAMP)
 
@@ -23,6 +23,10 @@ test: $(STAMP)
 # On a Hopper machine: the same suite compiled (gpu-marked tests run, interpret tests too).
 test-gpu:
 	PYTHONPATH=. python3 -m pytest -m gpu -p no:cacheprovider
+
+# Re-execute every notebook from a clean kernel and store its outputs (what readers see on the code host).
+notebooks: $(STAMP)
+	$(PY) notebooks/run.py --write
 
 clean:
 	rm -rf $(VENV) .pytest_cache
