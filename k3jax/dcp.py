@@ -28,13 +28,14 @@ import jax.numpy as jnp
 
 from k3jax import sharding
 from pallas_kernels import _util
-from pallas_kernels.mla import MlaDecodeConfig, merge_partials, mla_decode
+from pallas_kernels import mla as mla_ops
+from pallas_kernels.mla import MlaDecodeConfig, merge_partials
 from pallas_kernels.mla import reference as mla_reference
 from pallas_kernels.mla.api import LATENT_DIM
 
-Q_NAMES = ("batch", "heads", "latent")
+Q_NAMES = ("batch", "heads", "kv_latent")
 LSE_NAMES = ("batch", "heads")
-CACHE_NAMES = ("kv_tokens", None, "latent")
+CACHE_NAMES = sharding.MLA_CACHE_NAMES
 
 
 def local_lens(seq_lens: jax.Array, rank, n: int) -> jax.Array:
@@ -69,7 +70,7 @@ def _decode_local(q, kv, block_table, seq_lens, *, scale, config):
   n = jax.lax.axis_size(sharding.MODEL)
   rank = jax.lax.axis_index(sharding.MODEL)
   q_all = jax.lax.all_gather(q, sharding.MODEL, axis=1, tiled=True)
-  o, lse = mla_decode(q_all, kv, block_table, local_lens(seq_lens, rank, n), scale=scale, config=config)
+  o, lse = mla_ops.mla_decode(q_all, kv, block_table, local_lens(seq_lens, rank, n), scale=scale, config=config)
   buf = _pack(o, lse, config.partial_dtype)
   batch, heads, width = buf.shape
   # Destination-major: block j of the heads goes to device j, which owns those heads.
@@ -127,9 +128,7 @@ def _dcp_mla_decode(q_abs, kv_cache, block_table, seq_lens, *, scale, mesh, conf
   return fn(q_abs, kv_cache, block_table, seq_lens)
 
 
-def _write_local(kv, block_table, seq_ids, positions, kv_new):
-  n = jax.lax.axis_size(sharding.MODEL)
-  rank = jax.lax.axis_index(sharding.MODEL)
+def _write_local(kv, block_table, seq_ids, positions, kv_new, *, n, rank):
   pages, page_rows = kv.shape[:2]
   local = positions // n
   col = jnp.clip(local // page_rows, 0, block_table.shape[1] - 1)
@@ -138,6 +137,11 @@ def _write_local(kv, block_table, seq_ids, positions, kv_new):
   # Tokens owned elsewhere get an out-of-range page and are dropped by the scatter.
   page = jnp.where(mine, page, pages)
   return kv.at[page, local % page_rows].set(kv_new.astype(kv.dtype), mode="drop")
+
+
+def _write_on_mesh(kv, block_table, seq_ids, positions, kv_new):
+  return _write_local(kv, block_table, seq_ids, positions, kv_new, n=jax.lax.axis_size(sharding.MODEL),
+                      rank=jax.lax.axis_index(sharding.MODEL))
 
 
 def dcp_write(kv_cache: jax.Array, block_table: jax.Array, seq_ids: jax.Array, positions: jax.Array,
@@ -182,7 +186,7 @@ def dcp_write(kv_cache: jax.Array, block_table: jax.Array, seq_ids: jax.Array, p
 
 @functools.partial(jax.jit, static_argnames=("mesh",))
 def _dcp_write(kv_cache, block_table, seq_ids, positions, kv_new, *, mesh):
-  fn = sharding.shard_kernel(_write_local, (CACHE_NAMES, None, None, None, None), CACHE_NAMES, mesh)
+  fn = sharding.shard_kernel(_write_on_mesh, (CACHE_NAMES, None, None, None, None), CACHE_NAMES, mesh)
   return fn(kv_cache, block_table, seq_ids, positions, kv_new)
 
 
@@ -202,3 +206,28 @@ def dcp_append_token(kv_cache: jax.Array, block_table: jax.Array, seq_lens: jax.
   seq_ids = jnp.arange(block_table.shape[0], dtype=jnp.int32)
   return dcp_write(kv_cache, block_table, seq_ids, seq_lens, kv_new, mesh=mesh)
 
+
+
+def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, seq_lens: jax.Array, *,
+               scale: float, config: MlaDecodeConfig | None = None) -> tuple[jax.Array, jax.Array]:
+  """``pallas_kernels.mla_decode`` for model code: DCP decode on the ambient mesh (``jax.set_mesh``).
+
+  Without a mesh of more than one device it is ``pallas_kernels.mla_decode`` itself (the DCP layout of one
+  device is the plain paged layout).
+  """
+  mesh = sharding.ambient_mesh()
+  if mesh is None:
+    return mla_ops.mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=scale, config=config)
+  return dcp_mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=scale, mesh=mesh, config=config)
+
+
+def write_rows(kv_cache: jax.Array, rows: jax.Array, block_table: jax.Array, seq: jax.Array,
+               pos: jax.Array) -> jax.Array:
+  """Cache write for model code: row ``i`` goes to token ``pos[i]`` of sequence ``seq[i]`` (-1: skipped).
+
+  On the ambient mesh this is ``dcp_write`` (owner device only); without one the plain paged write.
+  """
+  mesh = sharding.ambient_mesh()
+  if mesh is None:
+    return _write_local(kv_cache, block_table, seq.astype(jnp.int32), pos.astype(jnp.int32), rows, n=1, rank=0)
+  return dcp_write(kv_cache, block_table, seq.astype(jnp.int32), pos.astype(jnp.int32), rows, mesh=mesh)

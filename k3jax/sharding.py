@@ -18,33 +18,39 @@ zero FFN columns, masked vocab rows).
 
 from collections.abc import Callable, Sequence
 import dataclasses
+import math
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from k3jax import cache as cache_lib
+from k3jax.cache import KdaState, ModelCache
+from k3jax.config import KDA
+from pallas_kernels import _util
+from pallas_kernels.kda import api as kda_ops
+from pallas_kernels.kda import short_conv
 
 MODEL = "model"
 MESH_AXES = (MODEL,)
 
-# Logical dim name -> mesh axis (None: whole on every device). One entry per name.
+# Logical dim name -> mesh axis (None: whole on every device). One entry per name; the parameter names are
+# those of ``k3jax.nn_util.LOGICAL_AXES``, the rest name activation and cache dims.
 LOGICAL_RULES: dict[str, str | None] = {
-    "heads": MODEL,  # MLA query heads, also fused [H * d] widths
-    "kda_heads": MODEL,  # KDA heads: q/k/v/gate widths, conv channels, state pool, A_log, dt_bias
-    "experts": MODEL,  # routed experts (and the router's expert dim)
-    "ffn": MODEL,  # dense MLP and shared-expert intermediate widths
+    "heads": MODEL,  # MLA query heads
+    "kda_heads": MODEL,  # KDA heads; also the head-major fused [H * K] conv channels
+    "experts": MODEL,  # routed experts and the router's expert dim
+    "mlp": MODEL,  # dense MLP and shared-expert widths
     "vocab": MODEL,  # embedding rows and LM-head columns
-    "kv_tokens": MODEL,  # pages of the DCP latent cache: each device holds its own token shard
-    "batch": None,
-    "tokens": None,  # packed tokens T / sequence positions
-    "embed": None,  # hidden size D
-    "latent": None,  # MLA latents (q_lora, kv_lora, Dc + Dr) and the latent-MoE width
-    "head_dim": None,
-    "expert_ffn": None,  # intermediate width inside one routed expert (experts are split instead)
-    "slots": None,  # KDA state-pool slots P
+    "kv_tokens": MODEL,  # pages of the DCP latent cache: each device holds its own share of the tokens
+    "embed": None, "moe_embed": None, "moe_mlp": None, "kda_head_dim": None, "kda_gate_rank": None,
+    "conv_width": None, "qk_head_dim": None, "qk_nope_dim": None, "v_head_dim": None, "q_lora": None,
+    "kv_lora": None, "kv_latent": None,
+    "batch": None, "tokens": None, "slots": None,  # sequences, packed tokens, KDA pool slots
 }
-
 
 def mesh_size(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> int:
   """Devices along the model axis (1 for a mesh without it)."""
@@ -115,15 +121,6 @@ def tree_shardings(mesh: jax.sharding.Mesh, specs):
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
 
 
-def param(init: Callable, *names: str | None) -> Callable:
-  """An nnx initializer that carries the mesh-axis sharding of ``names`` (``nnx.with_partitioning``).
-
-  Mesh axis names, not logical ones, go into the metadata, so nothing depends on Flax's logical-rule
-  machinery or on its metadata key names.
-  """
-  return nnx.with_partitioning(init, tuple(spec(*names)))
-
-
 def constrain(x: jax.Array, *names: str | None, mesh=None) -> jax.Array:
   """Pins the layout of an intermediate to ``names``; a no-op without a mesh, so model code calls it always.
 
@@ -180,88 +177,319 @@ def pad_to_multiple(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
-def pad_units(x: jax.Array, axis: int, units: int, new_units: int, fill: float = 0.0) -> jax.Array:
-  """Appends ``new_units - units`` blocks filled with ``fill`` to an axis made of ``units`` equal blocks.
-
-  A fused head axis ``[H * d]`` (head-major) has ``units = H`` blocks of ``d``; a plain axis has blocks of 1.
-
-  Raises:
-    ValueError: the axis size is not a multiple of ``units``, or ``new_units < units``.
-  """
-  size = x.shape[axis]
-  if units < 1 or size % units:
-    raise ValueError(f"pad_units: axis {axis} of shape {tuple(x.shape)} is not made of {units} equal blocks")
-  if new_units < units:
-    raise ValueError(f"pad_units: new_units must be >= units = {units}, got {new_units}")
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, (new_units - units) * (size // units))
-  return jnp.pad(x, widths, constant_values=jnp.asarray(fill, x.dtype))
+# ``K3Config`` fields that set the size of a split dim.
+PADDED_FIELDS = ("num_attention_heads", "kda_num_heads", "num_experts", "vocab_size", "intermediate_size",
+                 "moe_intermediate_size")
+# Parameters whose padded entries are not zero: a -inf correction bias keeps dummy experts out of the top-k.
+_PAD_FILL = {"e_score_correction_bias": -jnp.inf}
 
 
 @dataclasses.dataclass(frozen=True)
 class PaddingPlan:
-  """Real and padded sizes of the dims split over the model axis, for a given number of devices.
+  """Real and padded sizes of the ``K3Config`` fields behind split dims, for ``tp`` devices.
 
-  Padding is exact when the padded units are built as follows (``k3jax`` model loaders do this):
-  heads and KDA heads get zero projection columns and zero output-projection rows; experts get zero
-  weights, a zero router row and a ``-inf`` ``e_score_correction_bias`` (never selected while
-  ``top_k <= real experts``); FFN widths get zero up/gate columns and zero down rows; vocabulary rows are
-  zero in the embedding and their logits are masked to ``-inf``.
+  Each field is padded to a multiple of ``tp``, except ``moe_intermediate_size``: the shared experts
+  (split, width ``num_shared_experts * moe_intermediate_size``) need the product to divide, so it is padded
+  to a multiple of ``tp / gcd(tp, num_shared_experts)`` (the routed experts, whole per device, simply get
+  the same zero columns). ``pad_model`` pads so that the padded units contribute exactly zero: zero
+  projections into and out of padded heads (zero q/k/v keep a KDA state at zero, RMSNorm(0) = 0, and the
+  output projection rows are zero), zero experts behind a ``-inf`` correction bias (never selected while
+  ``top_k <= real experts``), zero FFN columns (``act(0) * 0 = 0``) and zero vocabulary rows whose logits
+  the jitted step drops.
 
   Attributes:
     tp: devices on the model axis.
-    dims: ``(name, real, padded)`` per padded logical name.
+    dims: ``(field, real, padded)`` for every field of ``PADDED_FIELDS``.
   """
 
   tp: int
   dims: tuple[tuple[str, int, int], ...]
 
   @classmethod
-  def make(cls, tp: int, **real: int) -> "PaddingPlan":
-    """A plan padding each named dim (``heads=96, experts=896, ...``) to a multiple of ``tp``.
+  def for_config(cls, cfg, tp: int) -> "PaddingPlan":
+    """The plan of ``cfg`` (a ``K3Config``) on ``tp`` devices.
 
     Raises:
-      ValueError: ``tp`` < 1, a size < 1, an unknown name, or a name that is not split (nothing to pad).
+      ValueError: ``tp`` is not an int >= 1.
     """
-    if not isinstance(tp, int) or tp < 1:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
       raise ValueError(f"tp must be an int >= 1, got {tp!r}")
-    dims = []
-    for name, size in real.items():
-      spec(name)
-      if LOGICAL_RULES[name] is None:
-        raise ValueError(f"{name!r} is not split over the mesh, so it is never padded")
-      if not isinstance(size, int) or size < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {size!r}")
-      dims.append((name, size, pad_to_multiple(size, tp)))
-    return cls(tp=tp, dims=tuple(dims))
+    multiple = dict.fromkeys(PADDED_FIELDS, tp)
+    multiple["moe_intermediate_size"] = tp // math.gcd(tp, cfg.num_shared_experts or tp)
+    return cls(tp=tp, dims=tuple((f, getattr(cfg, f), pad_to_multiple(getattr(cfg, f), multiple[f]))
+                                 for f in PADDED_FIELDS))
 
-  def _entry(self, name: str) -> tuple[str, int, int]:
+  def real(self, field: str) -> int:
+    return self._entry(field)[1]
+
+  def padded(self, field: str) -> int:
+    return self._entry(field)[2]
+
+  def _entry(self, field: str) -> tuple[str, int, int]:
     for entry in self.dims:
-      if entry[0] == name:
+      if entry[0] == field:
         return entry
-    raise ValueError(f"the padding plan has no dim {name!r}; it has {[d[0] for d in self.dims]}")
-
-  def real(self, name: str) -> int:
-    return self._entry(name)[1]
-
-  def padded(self, name: str) -> int:
-    return self._entry(name)[2]
+    raise ValueError(f"field must be one of {PADDED_FIELDS}, got {field!r}")
 
   @property
   def applied(self) -> dict[str, tuple[int, int]]:
-    """``{name: (real, padded)}`` for the dims that actually grow."""
-    return {n: (r, p) for n, r, p in self.dims if p != r}
+    """``{field: (real, padded)}`` for the fields that actually grow."""
+    return {f: (r, p) for f, r, p in self.dims if p != r}
 
-  def pad(self, x: jax.Array, name: str, axis: int, fill: float = 0.0) -> jax.Array:
-    """Pads ``axis`` of ``x`` (``real(name)`` equal blocks) to ``padded(name)`` blocks of ``fill``."""
-    return pad_units(x, axis, self.real(name), self.padded(name), fill)
+  def config(self, cfg):
+    """``cfg`` with the padded sizes.
 
-  def unpad(self, x: jax.Array, name: str, axis: int) -> jax.Array:
-    """Drops the padded blocks of ``axis`` (``padded(name)`` equal blocks) again."""
-    padded, size = self.padded(name), x.shape[axis]
-    if size % padded:
-      raise ValueError(f"unpad: axis {axis} of shape {tuple(x.shape)} is not made of {padded} equal blocks")
-    return jax.lax.slice_in_dim(x, 0, self.real(name) * (size // padded), axis=axis)
+    Raises:
+      ValueError: ``cfg`` is not the config the plan was made for.
+    """
+    wrong = {f: getattr(cfg, f) for f, r, _ in self.dims if getattr(cfg, f) != r}
+    if wrong:
+      raise ValueError(f"the plan was made for other sizes: config has {wrong}, plan has {self.dims}")
+    return cfg.replace(**{f: p for f, _, p in self.dims})
+
+
+def pad_param(name: str, x, shape: Sequence[int]) -> np.ndarray:
+  """Parameter ``name``'s value ``x`` padded at the end of each dim to ``shape`` (on the host).
+
+  The fill is zero, except ``-inf`` for ``e_score_correction_bias``: a dummy expert's selection score is
+  then ``-inf`` and it never enters the top-k.
+
+  Raises:
+    ValueError: ``shape`` has another rank or a smaller dim.
+  """
+  x = np.asarray(x)
+  if len(shape) != x.ndim or any(t < s for s, t in zip(x.shape, shape)):
+    raise ValueError(f"{name}: cannot pad shape {x.shape} to {tuple(shape)}")
+  widths = [(0, t - s) for s, t in zip(x.shape, shape)]
+  return np.pad(x, widths, constant_values=_PAD_FILL.get(name, 0))
+
+
+def rebuild(model: nnx.Module, cfg) -> nnx.Module:
+  """A copy of ``model`` built from ``cfg`` with the parameters of ``model``.
+
+  Each parameter keeps its values in front and is padded at the end of every dim that ``cfg`` makes larger,
+  with zeros (``-inf`` for ``e_score_correction_bias``). Changing only runtime fields (dtypes of caches and
+  partials, ``impl``) copies the parameters unchanged.
+  """
+  graphdef, target = nnx.split(nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0))))
+  real = dict(nnx.to_flat_state(nnx.state(model)))
+  for path, var in nnx.to_flat_state(target):
+    var.set_value(jnp.asarray(pad_param(str(path[-1]), real[path].get_value(), var.shape)))
+  return nnx.merge(graphdef, target)
+
+
+def pad_model(model: nnx.Module, plan: PaddingPlan) -> nnx.Module:
+  """``model`` padded by ``plan`` (``model`` itself when nothing grows); the same logits on the real vocab."""
+  cfg = plan.config(model.cfg)
+  return model if cfg == model.cfg else rebuild(model, cfg)
+
+
+def _logical_axes(path, var) -> tuple[str | None, ...]:
+  names = var.get_metadata().get("logical_axes")
+  if names is None:
+    raise ValueError(f"parameter {'.'.join(map(str, path))} has no logical_axes metadata (create it with "
+                     f"k3jax.nn_util.param)")
+  return names
+
+
+def param_specs(model: nnx.Module) -> nnx.State:
+  """``nnx.state(model)`` with each parameter replaced by the PartitionSpec of its logical axes."""
+  return nnx.map_state(lambda path, var: spec(*_logical_axes(path, var)), nnx.state(model))
+
+
+def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> tuple[nnx.Module, PaddingPlan]:
+  """Pads ``model`` for the mesh and places every parameter on its sharding.
+
+  Returns:
+    The padded, placed model (``model`` itself when nothing needs padding) and its ``PaddingPlan``.
+
+  Raises:
+    ValueError: a parameter's split dim still does not divide by the mesh size (it is named).
+  """
+  plan = PaddingPlan.for_config(model.cfg, mesh_size(mesh))
+  model = pad_model(model, plan)
+  state = nnx.state(model)
+  for path, var in nnx.to_flat_state(state):
+    check_divisible(".".join(map(str, path)), var.shape, _logical_axes(path, var), mesh)
+  nnx.update(model, jax.device_put(state, tree_shardings(mesh, param_specs(model))))
+  return model, plan
+
+
+# Layouts of the cache arrays (``k3jax.cache``); the MLA latent cache is the DCP layout of ``k3jax.dcp``.
+MLA_CACHE_NAMES = ("kv_tokens", None, "kv_latent")
+KDA_POOL_NAMES = ("slots", "kda_heads", None, None)  # [P, H, V, K]
+CONV_POOL_NAMES = ("slots", None, "kda_heads")  # [P, W - 1, H * K]
+
+
+def cache_specs(cfg) -> ModelCache:
+  """The ``ModelCache`` of PartitionSpecs for ``cfg``: KDA pools split by heads, MLA caches by pages."""
+  conv = spec(*CONV_POOL_NAMES)
+  kda = tuple(KdaState(recurrent=spec(*KDA_POOL_NAMES), conv_q=conv, conv_k=conv, conv_v=conv)
+              for t in cfg.layer_types if t == KDA)
+  mla = tuple(spec(*MLA_CACHE_NAMES) for t in cfg.layer_types if t != KDA)
+  return ModelCache(kda=kda, mla=mla, state_indices=P(), block_table=P(), seq_lens=P())
+
+
+def init_cache(cfg, num_seqs: int, max_seq_len: int, mesh: jax.sharding.Mesh, *,
+               fill: float = 0.0) -> ModelCache:
+  """An empty sharded cache (born sharded) for ``cfg`` (already padded) on ``mesh``.
+
+  KDA pools and conv pools are split by heads. Each MLA cache is a DCP cache (``k3jax.dcp``): every device
+  has a local pool of ``num_seqs * pages_per_device(max_seq_len)`` pages, and the block table holds local
+  page ids shared by all devices. ``state_indices``, ``block_table`` and ``seq_lens`` are replicated.
+
+  Args:
+    cfg: model config (``K3Config``; dims and cache dtypes). num_seqs: N.
+    max_seq_len: tokens per sequence. mesh: the mesh. fill: initial value of every pool element.
+  """
+  n = mesh_size(mesh)
+
+  def build():
+    local = cache_lib.init_cache(cfg, num_seqs, _util.cdiv(max_seq_len, n), fill=fill)
+    mla = tuple(jnp.full((n * x.shape[0],) + x.shape[1:], fill, x.dtype) for x in local.mla)
+    return local.replace(mla=mla)
+
+  with jax.set_mesh(mesh):
+    return jax.jit(build, out_shardings=tree_shardings(mesh, cache_specs(cfg)))()
+
+
+def ambient_mesh() -> jax.sharding.AbstractMesh | None:
+  """The mesh set with ``jax.set_mesh`` when its model axis has more than one device, else None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return None if mesh.empty or mesh_size(mesh) == 1 else mesh
+
+
+def _split_at(x: jax.Array, axis: int) -> tuple[str | None, ...]:
+  names = [None] * x.ndim
+  names[axis] = "kda_heads"
+  return tuple(names)
+
+
+def _per_device(op: Callable, arrays: dict, out_names, **static):
+  """``op(**arrays, **static)``: per device on the ambient mesh (``arrays``: name -> (array, names)).
+
+  None arrays are passed through as None; without a mesh ``op`` runs as is.
+  """
+  mesh = ambient_mesh()
+  if mesh is None:
+    return op(**{k: a for k, (a, _) in arrays.items()}, **static)
+  keys = [k for k, (a, _) in arrays.items() if a is not None]
+  local = lambda *xs: op(**dict(zip(keys, xs)), **static)
+  return shard_kernel(local, [arrays[k][1] for k in keys], out_names, mesh)(*(arrays[k][0] for k in keys))
+
+
+def kda_prefill(q, k, v, g_raw, beta_raw, *, A_log, dt_bias, cu_seqlens, state_pool, state_indices,
+                has_initial_state, checkpoint_indptr=None, checkpoint_offsets=None, checkpoint_slots=None,
+                config=None):
+  """``pallas_kernels.kda_prefill`` split over KDA heads on the ambient mesh; the same signature and result.
+
+  Heads are independent, so each device runs the op on its heads and its share of the state pool; the
+  state is never gathered.
+  """
+  heads = _split_at(q, -2)
+  return _per_device(kda_ops.kda_prefill, dict(
+      q=(q, heads), k=(k, heads), v=(v, heads), g_raw=(g_raw, heads), beta_raw=(beta_raw, _split_at(beta_raw, -1)),
+      A_log=(A_log, ("kda_heads",)), dt_bias=(dt_bias, ("kda_heads", None)), cu_seqlens=(cu_seqlens, None),
+      state_pool=(state_pool, KDA_POOL_NAMES), state_indices=(state_indices, None),
+      has_initial_state=(has_initial_state, None), checkpoint_indptr=(checkpoint_indptr, None),
+      checkpoint_offsets=(checkpoint_offsets, None), checkpoint_slots=(checkpoint_slots, None)),
+      (heads, KDA_POOL_NAMES), config=config)
+
+
+def kda_decode(q, k, v, g_raw, beta_raw, *, A_log, dt_bias, state_pool, state_indices, num_accepted=None,
+               config=None):
+  """``pallas_kernels.kda_decode`` split over KDA heads on the ambient mesh; the same signature and result."""
+  heads = _split_at(q, -2)
+  return _per_device(kda_ops.kda_decode, dict(
+      q=(q, heads), k=(k, heads), v=(v, heads), g_raw=(g_raw, heads), beta_raw=(beta_raw, _split_at(beta_raw, -1)),
+      A_log=(A_log, ("kda_heads",)), dt_bias=(dt_bias, ("kda_heads", None)),
+      state_pool=(state_pool, KDA_POOL_NAMES), state_indices=(state_indices, None),
+      num_accepted=(num_accepted, None)), (heads, KDA_POOL_NAMES), config=config)
+
+
+def short_conv_prefill(x, weight, *, cu_seqlens, conv_pool, state_indices, has_initial_state,
+                       checkpoint_indptr=None, checkpoint_offsets=None, checkpoint_slots=None, activation="silu"):
+  """``short_conv.short_conv_prefill`` split over the (head-major) channels on the ambient mesh."""
+  channels = _split_at(x, -1)
+  return _per_device(short_conv.short_conv_prefill, dict(
+      x=(x, channels), weight=(weight, ("kda_heads", None)), cu_seqlens=(cu_seqlens, None),
+      conv_pool=(conv_pool, CONV_POOL_NAMES), state_indices=(state_indices, None),
+      has_initial_state=(has_initial_state, None), checkpoint_indptr=(checkpoint_indptr, None),
+      checkpoint_offsets=(checkpoint_offsets, None), checkpoint_slots=(checkpoint_slots, None)),
+      (channels, CONV_POOL_NAMES), activation=activation)
+
+
+def short_conv_update(x, weight, *, conv_pool, state_indices, num_accepted=None, activation="silu"):
+  """``short_conv.short_conv_update`` split over the (head-major) channels on the ambient mesh."""
+  channels = _split_at(x, -1)
+  return _per_device(short_conv.short_conv_update, dict(
+      x=(x, channels), weight=(weight, ("kda_heads", None)), conv_pool=(conv_pool, CONV_POOL_NAMES),
+      state_indices=(state_indices, None), num_accepted=(num_accepted, None)),
+      (channels, CONV_POOL_NAMES), activation=activation)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelStep:
+  """Jitted, sharded ``prefill`` / ``decode`` of a placed model (``jit_model_step``).
+
+  Both take and return a cache from ``init_cache`` (donated: pass the returned one on) and return f32
+  logits over the real vocabulary, replicated.
+  """
+
+  mesh: jax.sharding.Mesh
+  state: nnx.State
+  prefill_jit: Callable
+  decode_jit: Callable
+
+  def prefill(self, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
+    """``KimiK3Model.prefill`` (``tokens [T]``, ``cu_seqlens [N + 1]``) -> ``(logits [T, vocab], cache)``."""
+    with jax.set_mesh(self.mesh):
+      return self.prefill_jit(self.state, tokens, cu_seqlens, cache)
+
+  def decode(self, tokens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
+    """``KimiK3Model.decode`` (``tokens [N]``) -> ``(logits [N, vocab], cache)``."""
+    with jax.set_mesh(self.mesh):
+      return self.decode_jit(self.state, tokens, cache)
+
+  def compiled_text(self, kind: str, *args) -> str:
+    """Compiled HLO of ``prefill`` or ``decode`` (``kind``) for these arguments (for inspecting collectives)."""
+    fn = {"prefill": self.prefill_jit, "decode": self.decode_jit}[kind]
+    with jax.set_mesh(self.mesh):
+      return fn.lower(self.state, *args).compile().as_text()
+
+
+def jit_model_step(model: nnx.Module, mesh: jax.sharding.Mesh, *, vocab_size: int | None = None) -> ModelStep:
+  """The jitted sharded step of a model placed by ``shard_model``.
+
+  Parameters keep their ``param_specs`` shardings, caches their ``cache_specs`` shardings (donated), and
+  every op runs on the ambient mesh: KDA ops per head group, MLA decode with DCP.
+
+  Args:
+    model: a ``KimiK3Model`` from ``shard_model`` (padded for the mesh).
+    mesh: the mesh it was placed on.
+    vocab_size: the real vocabulary (logits past it, from padded rows, are dropped); default the model's.
+  """
+  cfg = model.cfg
+  vocab = cfg.vocab_size if vocab_size is None else vocab_size
+  graphdef, state = nnx.split(model)
+  params = tree_shardings(mesh, param_specs(model))
+  caches = tree_shardings(mesh, cache_specs(cfg))
+  whole = NamedSharding(mesh, P())
+
+  def prefill(state, tokens, cu_seqlens, cache):
+    logits, cache = nnx.merge(graphdef, state).prefill(tokens, cu_seqlens, cache)
+    return logits[:, :vocab], cache
+
+  def decode(state, tokens, cache):
+    logits, cache = nnx.merge(graphdef, state).decode(tokens, cache)
+    return logits[:, :vocab], cache
+
+  return ModelStep(
+      mesh=mesh, state=state,
+      prefill_jit=jax.jit(prefill, in_shardings=(params, whole, whole, caches), out_shardings=(whole, caches),
+                          donate_argnums=3),
+      decode_jit=jax.jit(decode, in_shardings=(params, whole, caches), out_shardings=(whole, caches),
+                         donate_argnums=2))
 
 
 _COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%\S+ = \(?([a-z0-9]+)\[([0-9,]*)\][^\n]*? "

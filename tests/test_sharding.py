@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec as P
 
-from k3jax import sharding
+from k3jax import nn_util, sharding
+from k3jax.config import preset
 
 M = sharding.MODEL
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -30,7 +31,7 @@ def test_spec_and_divisibility():
   with pytest.raises(ValueError, match="unknown logical axis name 'hidden'"):
     sharding.spec("hidden")
   with pytest.raises(ValueError, match="more than one dim on the same mesh axis"):
-    sharding.spec("heads", "ffn")
+    sharding.spec("heads", "mlp")
   mesh = sharding.make_mesh(9)
   sharding.check_divisible("w", (7168, 99 * 128), ("embed", "heads"), mesh)
   with pytest.raises(ValueError, match=r"w: dim 1 \('heads'\) .* has size 12288, not a multiple of the 9"):
@@ -42,13 +43,8 @@ def test_spec_and_divisibility():
   assert sharding.named_sharding(mesh, "vocab", "embed", shape=(163845, 16)).spec == P(M, None)
 
 
-def test_param_annotates_nnx_variables():
-  mesh = sharding.make_mesh(9)
-  with jax.set_mesh(mesh):
-    layer = nnx.Linear(16, 18, kernel_init=sharding.param(nnx.initializers.lecun_normal(), "embed", "heads"),
-                       rngs=nnx.Rngs(0))
-  assert layer.kernel[...].sharding.spec == P(None, M)
-  assert nnx.get_partition_spec(nnx.state(layer))["kernel"].get_value() == P(None, M)
+def test_every_model_axis_name_has_a_rule():
+  assert nn_util.LOGICAL_AXES <= set(sharding.LOGICAL_RULES)
 
 
 def test_constrain():
@@ -92,34 +88,29 @@ def test_pad_to_multiple(n, m, want):
   assert sharding.pad_to_multiple(n, m) == want
 
 
-def test_padding_plan():
-  plan = sharding.PaddingPlan.make(9, heads=96, kda_heads=96, experts=896, vocab=163840, ffn=6144)
-  assert [plan.padded(k) for k in ("heads", "kda_heads", "experts", "vocab", "ffn")] == [99, 99, 900, 163845, 6147]
-  assert plan.applied == {"heads": (96, 99), "kda_heads": (96, 99), "experts": (896, 900),
-                          "vocab": (163840, 163845), "ffn": (6144, 6147)}
-  assert sharding.PaddingPlan.make(8, heads=96).applied == {}
-  # A fused head axis [H * d] gains whole zero heads at the end; unpad is its exact inverse.
-  w = jnp.asarray(np.random.default_rng(0).standard_normal((5, 96 * 3)), jnp.float32)
-  wp = plan.pad(w, "heads", axis=1)
-  assert wp.shape == (5, 99 * 3) and wp.dtype == jnp.float32
-  assert (np.asarray(wp[:, 96 * 3:]) == 0).all()
-  np.testing.assert_array_equal(np.asarray(plan.unpad(wp, "heads", axis=1)), np.asarray(w))
-  bias = plan.pad(jnp.zeros(896), "experts", axis=0, fill=-jnp.inf)
-  assert np.isneginf(np.asarray(bias[896:])).all() and (np.asarray(bias[:896]) == 0).all()
-  for kwargs, msg in [(dict(embed=7168), "'embed' is not split"), (dict(hidden=4), "unknown logical axis"),
-                      (dict(heads=0), "heads must be an int >= 1")]:
-    with pytest.raises(ValueError, match=msg):
-      sharding.PaddingPlan.make(9, **kwargs)
+def test_padding_plan_and_pad_param():
+  cfg = preset("kimi_linear_48b", impl="xla")
+  plan = sharding.PaddingPlan.for_config(cfg, 9)
+  # One shared expert: its width is moe_intermediate_size itself, so that pads to a multiple of 9 too.
+  assert plan.applied == {"num_attention_heads": (32, 36), "kda_num_heads": (32, 36), "num_experts": (256, 261),
+                          "vocab_size": (163840, 163845), "moe_intermediate_size": (1024, 1026)}
+  assert plan.real("vocab_size") == 163840 and plan.padded("intermediate_size") == 9216
+  padded = plan.config(cfg)
+  assert (padded.num_attention_heads, padded.num_experts, padded.hidden_size) == (36, 261, cfg.hidden_size)
+  assert sharding.PaddingPlan.for_config(cfg, 2).applied == {}
+  assert sharding.PaddingPlan.for_config(cfg, 1).applied == {}
+  w = np.arange(6.0, dtype=np.float32).reshape(2, 3)
+  np.testing.assert_array_equal(sharding.pad_param("kernel", w, (2, 5)), [[0, 1, 2, 0, 0], [3, 4, 5, 0, 0]])
+  bias = sharding.pad_param("e_score_correction_bias", np.zeros(7, np.float32), (9,))
+  assert bias.dtype == np.float32 and np.isneginf(bias[7:]).all() and (bias[:7] == 0).all()
+  with pytest.raises(ValueError, match=r"kernel: cannot pad shape \(2, 3\) to \(2, 2\)"):
+    sharding.pad_param("kernel", w, (2, 2))
   with pytest.raises(ValueError, match="tp must be an int >= 1"):
-    sharding.PaddingPlan.make(0, heads=96)
-  with pytest.raises(ValueError, match="has no dim 'experts'"):
-    sharding.PaddingPlan.make(9, heads=96).padded("experts")
-  with pytest.raises(ValueError, match="not made of 96 equal blocks"):
-    plan.pad(w[:, :100], "heads", axis=1)
-  with pytest.raises(ValueError, match="not made of 99 equal blocks"):
-    plan.unpad(w[:, :100], "heads", axis=1)
-  with pytest.raises(ValueError, match="new_units must be >= units"):
-    sharding.pad_units(w, 1, 96, 95)
+    sharding.PaddingPlan.for_config(cfg, 0)
+  with pytest.raises(ValueError, match="field must be one of"):
+    plan.padded("hidden_size")
+  with pytest.raises(ValueError, match="made for other sizes"):
+    plan.config(padded)
   with pytest.raises(ValueError, match="pad_to_multiple needs"):
     sharding.pad_to_multiple(3, 0)
 
@@ -152,10 +143,10 @@ def test_padded_heads_contribute_exactly_zero_sharded():
   heads, d, dm, t = 4, 8, 16, 5
   x = rng.standard_normal((t, dm)) / 4
   ws = [rng.standard_normal((dm, heads * d)) / 4 for _ in range(3)] + [rng.standard_normal((heads * d, dm)) / 4]
-  plan = sharding.PaddingPlan.make(9, heads=heads)
   mesh = sharding.make_mesh(9)
-  padded = [plan.pad(jnp.asarray(w, jnp.float32), "heads", axis=1) for w in ws[:3]]
-  padded.append(plan.pad(jnp.asarray(ws[3], jnp.float32), "heads", axis=0))
+  # Head-major fused [D, H * d] / [H * d, D] weights: padding the end of the axis appends whole zero heads.
+  padded = [jnp.asarray(sharding.pad_param("kernel", w.astype(np.float32), (dm, 9 * d))) for w in ws[:3]]
+  padded.append(jnp.asarray(sharding.pad_param("kernel", ws[3].astype(np.float32), (9 * d, dm))))
   names = [("embed", "heads")] * 3 + [("heads", "embed")]
   placed = [jax.device_put(w, sharding.named_sharding(mesh, *n, shape=w.shape)) for w, n in zip(padded, names)]
   with jax.set_mesh(mesh):
@@ -202,15 +193,15 @@ def test_padded_experts_are_never_selected():
   bias = rng.uniform(-1.0, -0.5, experts)
   w1, w3 = (rng.standard_normal((experts, dm, f)) / 3 for _ in range(2))
   w2 = rng.standard_normal((experts, f, dm)) / 3
-  plan = sharding.PaddingPlan.make(9, experts=experts)
   f32 = lambda a: jnp.asarray(a, jnp.float32)
-  padded = (plan.pad(f32(router), "experts", 1), plan.pad(f32(bias), "experts", 0, fill=-jnp.inf),
-            *(plan.pad(f32(w), "experts", 0) for w in (w1, w3, w2)))
+  pad = lambda name, a: f32(sharding.pad_param(name, a.astype(np.float32), (9,) + a.shape[1:]))
+  padded = (f32(sharding.pad_param("kernel", router.astype(np.float32), (dm, 9))),
+            pad("e_score_correction_bias", bias), pad("w1", w1), pad("w3", w3), pad("w2", w2))
   out, idx = jax.jit(moe_jnp, static_argnums=6)(f32(x), *padded, top_k)
   assert out.shape == (t, dm) and out.dtype == jnp.float32 and idx.shape == (t, top_k)
   ref, ref_idx = moe_np(x, router, bias, w1, w3, w2, top_k)
   assert (np.asarray(idx) < experts).all()
-  _, idx_zero_bias = moe_jnp(f32(x), padded[0], plan.pad(f32(bias), "experts", 0), *padded[2:], top_k)
+  _, idx_zero_bias = moe_jnp(f32(x), padded[0], pad("kernel", bias), *padded[2:], top_k)
   assert (np.asarray(idx_zero_bias) >= experts).any()  # so the -inf bias is what keeps the dummies out
   np.testing.assert_array_equal(np.sort(np.asarray(idx), -1), np.sort(ref_idx, -1))
   # f32 vs float64 over sums of <= 8 terms of O(1) values.
@@ -225,16 +216,15 @@ def test_padded_ffn_and_vocab_contribute_exactly_zero():
   wd_ = rng.standard_normal((f, dm)) / np.sqrt(f)
   x, wg, wu, wd = (jnp.asarray(a, jnp.float32) for a in (xs, wg_, wu_, wd_))
   head = jnp.asarray(rng.standard_normal((dm, vocab)), jnp.float32)
-  plan = sharding.PaddingPlan.make(9, ffn=f, vocab=vocab)
-  g, u = (jnp.dot(x, plan.pad(w, "ffn", 1), precision=HIGHEST) for w in (wg, wu))
+  pad = lambda w, shape: jnp.asarray(sharding.pad_param("kernel", w, shape))
+  g, u = (jnp.dot(x, pad(w, (dm, 9)), precision=HIGHEST) for w in (wg, wu))
   hidden = jax.nn.silu(g) * u
   assert hidden.shape == (4, 9) and (np.asarray(hidden[:, f:]) == 0).all()
-  y = jnp.dot(hidden, plan.pad(wd, "ffn", 0), precision=HIGHEST)
+  y = jnp.dot(hidden, pad(wd, (9, dm)), precision=HIGHEST)
   g_ = xs @ wg_
   ref = (g_ / (1 + np.exp(-g_)) * (xs @ wu_)) @ wd_
   # f32 vs float64, sums of <= 9 terms of O(1) values.
   np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=2e-6)
-  logits = jnp.dot(x, plan.pad(head, "vocab", 1), precision=HIGHEST)
+  logits = jnp.dot(x, pad(head, (dm, 18)), precision=HIGHEST)
   assert logits.shape == (4, 18) and (np.asarray(logits[:, vocab:]) == 0).all()
-  np.testing.assert_array_equal(np.asarray(plan.unpad(logits, "vocab", 1)),
-                                np.asarray(jnp.dot(x, head, precision=HIGHEST)))
+  np.testing.assert_array_equal(np.asarray(logits[:, :vocab]), np.asarray(jnp.dot(x, head, precision=HIGHEST)))
