@@ -49,27 +49,32 @@ def _gate(x: jax.Array, rate: jax.Array, lower_bound: float | None) -> jax.Array
 
 def _decode_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, slots_ref, accepted_ref,
                  pool_ref, o_ref, q_smem, k_smem, g_smem, v_smem, bias_smem, s_smem, o_smem, barriers, *,
-                 steps: int, scale: float, lower_bound: float | None):
+                 steps: int, speculative: bool, scale: float, lower_bound: float | None):
   vb, h, n = lax.axis_index("vb"), lax.axis_index("h"), lax.axis_index("n")
   rows = pl.ds(pl.multiple_of(vb * BLOCK_V, BLOCK_V), BLOCK_V)
-  read_slot = slots_ref[n, accepted_ref[n] - 1]
-  live = read_slot >= 0
   col = plgpu.Layout.WGMMA.reduce(0)  # [K] vectors, broadcast along the V rows
   row = plgpu.Layout.WGMMA.reduce(1)  # [BV] vectors, broadcast along the K columns
+  # Small batches are latency bound: start every load that does not depend on the slot before the
+  # dependent chain (slot id -> state TMA), and fetch the scalars while the copies fly.
+  inputs = ((q_ref.at[n, :, h], q_smem), (k_ref.at[n, :, h], k_smem), (g_ref.at[n, :, h], g_smem),
+            (v_ref.at[n, :, h, rows], v_smem), (dt_bias_ref.at[h], bias_smem))
+  for i, (src, dst) in enumerate(inputs):
+    plgpu.copy_gmem_to_smem(src, dst, barriers.at[i])
+  read_slot = slots_ref[n, accepted_ref[n] - 1] if speculative else slots_ref[n, 0]
+  live = read_slot >= 0
+  rate = jnp.exp(a_log_ref[h].astype(jnp.float32))
+  betas = [jax.nn.sigmoid(beta_ref[n, t, h].astype(jnp.float32)) for t in range(steps)]
+  state_barrier = barriers.at[len(inputs)]
 
   @pl.when(live)
   def _():
-    copies = ((q_ref.at[n, :, h], q_smem), (k_ref.at[n, :, h], k_smem), (g_ref.at[n, :, h], g_smem),
-              (v_ref.at[n, :, h, rows], v_smem), (dt_bias_ref.at[h], bias_smem),
-              (pool_ref.at[read_slot, h, rows], s_smem))
-    for i, (src, dst) in enumerate(copies):
-      plgpu.copy_gmem_to_smem(src, dst, barriers.at[i])
-    for i in range(len(copies)):
+    plgpu.copy_gmem_to_smem(pool_ref.at[read_slot, h, rows], s_smem, state_barrier)
+    for i in range(len(inputs)):
       plgpu.barrier_wait(barriers.at[i])
+    bias = plgpu.load(bias_smem, layout=col, optimized=False)
+    plgpu.barrier_wait(state_barrier)
     shape = s_smem.shape
     s = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA, optimized=True).astype(jnp.float32)
-    bias = plgpu.load(bias_smem, layout=col, optimized=False)
-    rate = jnp.exp(a_log_ref[h].astype(jnp.float32))
     along_v = lambda x: lax.broadcast_in_dim(x, shape, (1,))  # a [K] vector repeated on every V row
     along_k = lambda x: lax.broadcast_in_dim(x, shape, (0,))  # a [BV] vector repeated on every K column
     for t in range(steps):
@@ -77,11 +82,10 @@ def _decode_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, s
       kv = along_v(plgpu.load(k_smem.at[t], layout=col, optimized=False).astype(jnp.float32))
       x = plgpu.load(g_smem.at[t], layout=col, optimized=False).astype(jnp.float32) + bias
       v = plgpu.load(v_smem.at[t], layout=row, optimized=False).astype(jnp.float32)
-      beta = jax.nn.sigmoid(beta_ref[n, t, h].astype(jnp.float32))
       inv_k = lax.rsqrt(jnp.sum(kv * kv, axis=1) + L2NORM_EPS)
       inv_q = lax.rsqrt(jnp.sum(qv * qv, axis=1) + L2NORM_EPS)
       s = s * along_v(jnp.exp(_gate(x, rate, lower_bound)))
-      u = beta * (v - jnp.sum(s * kv, axis=1) * inv_k)
+      u = betas[t] * (v - jnp.sum(s * kv, axis=1) * inv_k)
       s = s + along_k(u * inv_k) * kv
       if s_smem.dtype != jnp.float32:
         s = s.astype(s_smem.dtype).astype(jnp.float32)  # the next token starts from the stored state
@@ -98,22 +102,29 @@ def _decode_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, s
 
   @pl.when(jnp.logical_not(live))
   def _():
+    for i in range(len(inputs)):  # no copy may still be landing in SMEM when the program exits
+      plgpu.barrier_wait(barriers.at[i])
     for t in range(steps):
       o_smem[t] = plgpu.layout_cast(jnp.zeros((BLOCK_V,), o_smem.dtype), row)
 
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, :, h, rows])
-  plgpu.wait_smem_to_gmem(0)
+  # Only SMEM must outlive the copies (as CUTLASS epilogues do); the GMEM writes complete on their own
+  # before the kernel is considered finished, and the program's slot frees up sooner.
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _launch(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool_ref, state_indices, num_accepted, *,
             config: KdaConfig) -> jax.Array:
-  """Runs the kernel on the speculative form (``[N, 1 + S, ...]``); writes the pool ref, returns ``o``."""
+  """Runs the kernel on ``[N, 1 + S, ...]`` inputs (``num_accepted`` None: one token, read column 0);
+  writes the pool ref, returns ``o``."""
   n, steps, h, kdim = q.shape
   vdim = v.shape[-1]
   scale = kdim ** -0.5 if config.scale is None else config.scale
   state_dtype = pool_ref.dtype
-  body = functools.partial(_decode_body, steps=steps, scale=scale, lower_bound=config.lower_bound)
+  speculative = num_accepted is not None
+  body = functools.partial(_decode_body, steps=steps, speculative=speculative, scale=scale,
+                           lower_bound=config.lower_bound)
   kernel = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((n, steps, h, vdim), q.dtype),
@@ -130,7 +141,9 @@ def _launch(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool_ref, state_indices, n
           plgpu.Barrier(num_barriers=6),
       ),
   )
-  return kernel(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_indices, num_accepted, pool_ref)
+  # The one-token kernel never reads num_accepted: pass the slots in its place rather than build an array.
+  accepted = num_accepted.astype(jnp.int32) if speculative else state_indices
+  return kernel(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_indices, accepted, pool_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"), donate_argnames=("state_pool",))
@@ -140,11 +153,10 @@ def _decode(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, state_indices,
   if single:
     q, k, v, g_raw, beta_raw = (x[:, None] for x in (q, k, v, g_raw, beta_raw))
     state_indices = state_indices[:, None]
-    num_accepted = jnp.ones(q.shape[:1], jnp.int32)
   with _interpret.interpret_mode(interpret):
     pool_ref = jax.new_ref(state_pool)
     o = _launch(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool_ref, state_indices.astype(jnp.int32),
-                num_accepted.astype(jnp.int32), config=config)
+                num_accepted, config=config)
   return (o[:, 0] if single else o), pool_ref[...]
 
 
