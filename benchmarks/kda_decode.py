@@ -1,0 +1,204 @@
+"""KDA decode on one Hopper GPU: the Mosaic GPU kernel vs FLA's ``fused_recurrent_kda`` in the same run.
+
+Shapes (issue [6/9]): N in {1, 8, 64, 256} sequences x 1 token, H in {11, 96}, K = V = 128, f32 and bf16
+state, the K3 lower-bound gate, bf16 activations. Both sides read and write the same V-first pool in place
+through slot indices. To keep the state out of the 60 MB L2, each timed step uses a different set of slots
+(the pool holds R rotating copies of the working set).
+
+Timings:
+* ``ours_kernel``: device time per call of our jitted function (every kernel it launches, from CUPTI,
+  mean over the timed calls; the names are printed, so a stray copy of the pool would show);
+* ``ours_called``: wall time per call from Python, dispatch included (median of 3 loops);
+* ``fla_called``: FLA per call from Python (CUDA events around a loop of calls, median of 3 loops);
+* ``fla_graph``: FLA replayed from a CUDA graph of ``GRAPH_CALLS`` calls (host overhead excluded);
+* ``fla_kernel``: FLA's kernel device time from CUPTI.
+GB/s counts the state read + write once (``2 * N * H * V * K * itemsize``); the fraction is against the
+4.27 TB/s device-to-device copy measured on this GPU kind (``shared/spec/mosaic-gpu-notes.md``).
+``vs FLA`` = the faster of FLA's graph and kernel times over ``ours_kernel``.
+
+Run on the GPU machine: ``PYTHONPATH=. python3 benchmarks/kda_decode.py [--quick] [--json PATH]``
+(needs torch and the ``fla-core`` wheel for the peer; without them only our kernel is timed).
+"""
+
+import argparse
+import contextlib
+import faulthandler
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU in this process
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels.kda.config import KdaConfig  # noqa: E402
+from pallas_kernels.kda.decode_kernel import kda_decode_mosaic  # noqa: E402
+
+COPY_TBPS = 4.27
+LB = -5.0
+K = V = 128
+L2_BYTES = 60e6
+GRAPH_CALLS = 20
+
+
+@contextlib.contextmanager
+def cupti_kernels():
+  """Collects ``(kernel name, ms)`` of every kernel that runs inside (JAX's CUPTI hook, also sees torch)."""
+  from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+  ext = mosaic_gpu_lib._mosaic_gpu_ext
+  records: list[tuple[str, float]] = []
+  ext._cupti_init()
+  try:
+    yield records
+  finally:
+    records.extend(ext._cupti_get_timings(True))
+
+
+def make_inputs(n: int, h: int, rot: int, state_dtype, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  f32 = lambda *s: rng.standard_normal(s, np.float32)
+  data = dict(q=f32(n, h, K), k=f32(n, h, K), v=f32(n, h, V), g=f32(n, h, K), beta=f32(n, h),
+              A_log=np.log(rng.uniform(1, 16, h)).astype(np.float32), dt_bias=0.5 * f32(h, K),
+              pool=f32(n * rot, h, V, K) / np.sqrt(K))
+  # Each rotation r uses its own shuffled block of N slots.
+  slots = np.stack([r * n + rng.permutation(n) for r in range(rot)]).astype(np.int32)
+  return data, slots
+
+
+def time_ours(data, slots, state_dtype, iters: int):
+  bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+  q, k, v, g, beta = (bf(data[x]) for x in ("q", "k", "v", "g", "beta"))
+  a_log, dt_bias = jnp.asarray(data["A_log"]), jnp.asarray(data["dt_bias"])
+  pool = jnp.asarray(data["pool"], state_dtype)
+  slot_arrays = [jnp.asarray(s) for s in slots]
+  config = KdaConfig(lower_bound=LB, state_dtype=state_dtype, impl="pallas")
+  step = functools.partial(kda_decode_mosaic, q, k, v, g, beta, a_log, dt_bias, config=config, interpret=False)
+  o, pool = step(pool, slot_arrays[0], None)  # compile + warm up
+  jax.block_until_ready((o, pool))
+  o0 = np.asarray(o.astype(jnp.float32))
+  with cupti_kernels() as records:
+    for i in range(iters):
+      o, pool = step(pool, slot_arrays[i % len(slot_arrays)], None)
+    jax.block_until_ready((o, pool))
+  names = sorted({name for name, _ in records})
+  kernel_ms = sum(ms for _, ms in records) / iters
+  walls = []
+  for _ in range(3):
+    t0 = time.perf_counter()
+    for i in range(iters):
+      o, pool = step(pool, slot_arrays[i % len(slot_arrays)], None)
+    jax.block_until_ready((o, pool))
+    walls.append((time.perf_counter() - t0) / iters * 1e3)
+  return kernel_ms, statistics.median(walls), names, o0
+
+
+def time_fla(data, slots, state_dtype, iters: int):
+  import torch
+  from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+  dev = torch.device("cuda")
+  bf = lambda x: torch.from_numpy(x).to(dev, torch.bfloat16)[None]
+  n = data["q"].shape[0]
+  q, k, v, g, beta = (bf(data[x]) for x in ("q", "k", "v", "g", "beta"))
+  a_log = torch.from_numpy(data["A_log"]).to(dev)
+  dt_bias = torch.from_numpy(data["dt_bias"]).to(dev)
+  tdt = torch.float32 if state_dtype == jnp.float32 else torch.bfloat16
+  pool = torch.from_numpy(data["pool"]).to(dev, tdt)
+  slot_t = [torch.from_numpy(s).to(dev) for s in slots]
+  cu = torch.arange(n + 1, device=dev, dtype=torch.long)
+  out = torch.empty_like(v)
+
+  def call(i):
+    fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=a_log, dt_bias=dt_bias, initial_state=pool,
+                            inplace_final_state=True, state_v_first=True, cu_seqlens=cu,
+                            ssm_state_indices=slot_t[i % len(slot_t)], use_qk_l2norm_in_kernel=True,
+                            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=LB,
+                            out=out)
+
+  call(0)
+  torch.cuda.synchronize()
+  o0 = out[0].float().cpu().numpy()
+
+  def events(fn, reps):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(3):
+      start.record()
+      fn(reps)
+      end.record()
+      torch.cuda.synchronize()
+      times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+  called = events(lambda r: [call(i) for i in range(r)], iters)
+  stream = torch.cuda.Stream()
+  stream.wait_stream(torch.cuda.current_stream())
+  with torch.cuda.stream(stream):
+    for i in range(GRAPH_CALLS):  # warm up on the side stream before capture
+      call(i)
+  torch.cuda.current_stream().wait_stream(stream)
+  graph = torch.cuda.CUDAGraph()
+  with torch.cuda.graph(graph):
+    for i in range(GRAPH_CALLS):
+      call(i)
+  reps = max(1, iters // GRAPH_CALLS)
+  graph_ms = events(lambda r: [graph.replay() for _ in range(r)], reps) / GRAPH_CALLS
+  with cupti_kernels() as records:
+    for i in range(iters):
+      call(i)
+    torch.cuda.synchronize()
+  kernel_ms = sum(ms for name, ms in records if "fused_recurrent" in name) / iters
+  return called, graph_ms, kernel_ms, o0
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="N in {1, 256}, H = 96 only")
+  parser.add_argument("--json", help="write the rows here")
+  args = parser.parse_args()
+  faulthandler.dump_traceback_later(540, exit=True)  # a deadlocked kernel would block forever
+  try:
+    import fla  # noqa: F401
+    have_fla = True
+  except ImportError as e:
+    print(f"FLA peer unavailable ({e}); timing our kernel only", file=sys.stderr)
+    have_fla = False
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+  shapes = [(1, 96), (256, 96)] if args.quick else [(n, h) for h in (11, 96) for n in (1, 8, 64, 256)]
+  rows = []
+  header = (f"{'N':>4} {'H':>3} {'state':>5} | {'ours us':>8} {'called':>8} {'GB/s':>6} {'copy%':>5} | "
+            f"{'FLA called':>10} {'graph':>7} {'kernel':>7} | {'vs FLA':>6} {'max|do|':>8}")
+  print(header)
+  for n, h in shapes:
+    for state_dtype in (jnp.float32, jnp.bfloat16):
+      itemsize = jnp.dtype(state_dtype).itemsize
+      state_bytes = n * h * V * K * itemsize
+      rot = int(min(64, max(1, np.ceil(3 * L2_BYTES / state_bytes))))
+      iters = int(min(400, max(20, 2e9 / (2 * state_bytes)))) // rot * rot or rot
+      data, slots = make_inputs(n, h, rot, state_dtype)
+      ours, ours_called, names, o_ours = time_ours(data, slots, state_dtype, iters)
+      row = dict(N=n, H=h, state=jnp.dtype(state_dtype).name, ours_us=ours * 1e3, ours_called_us=ours_called * 1e3,
+                 gbps=2 * state_bytes / (ours * 1e-3) / 1e9, kernels=names, iters=iters, rotations=rot)
+      row["copy_frac"] = row["gbps"] / (COPY_TBPS * 1e3)
+      if have_fla:
+        called, graph_ms, kernel_ms, o_fla = time_fla(data, slots, state_dtype, iters)
+        best = min(graph_ms, kernel_ms) if kernel_ms > 0 else graph_ms
+        row.update(fla_called_us=called * 1e3, fla_graph_us=graph_ms * 1e3, fla_kernel_us=kernel_ms * 1e3,
+                   vs_fla=best / ours, max_abs_diff_o=float(np.abs(o_ours - o_fla).max()))
+      rows.append(row)
+      fla_cols = (f"{row['fla_called_us']:10.1f} {row['fla_graph_us']:7.1f} {row['fla_kernel_us']:7.1f} | "
+                  f"{row['vs_fla']:6.2f} {row['max_abs_diff_o']:8.1e}") if have_fla else "-"
+      print(f"{n:4d} {h:3d} {row['state'][:5]:>5} | {row['ours_us']:8.1f} {row['ours_called_us']:8.1f} "
+            f"{row['gbps']:6.0f} {100 * row['copy_frac']:5.1f} | {fla_cols}", flush=True)
+  print("kernels in our call:", sorted({name for r in rows for name in r["kernels"]}))
+  if args.json:
+    with open(args.json, "w") as fh:
+      json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+  main()
