@@ -428,6 +428,58 @@ def short_conv_update(x, weight, *, conv_pool, state_indices, num_accepted=None,
       (channels, CONV_POOL_NAMES), activation=activation)
 
 
+def _experts_on(x, experts, weights, w1, w3, w2, *, first, act, dtype):
+  """The token copies routed to experts ``[first, first + E_local)`` through them, weighted; ``[T, De]`` f32.
+
+  Copies routed elsewhere sort after the last group, so the grouped matmuls do not compute them.
+  """
+  t, k = experts.shape
+  num_local = w1.shape[0]
+  local = experts.reshape(-1) - first
+  mine = (local >= 0) & (local < num_local)
+  order = jnp.argsort(jnp.where(mine, local, num_local), stable=True)
+  token = order // k
+  group_sizes = jnp.sum(local[:, None] == jnp.arange(num_local), axis=0, dtype=jnp.int32)
+  xs = x.astype(dtype)[token]
+  gate = jax.lax.ragged_dot(xs, w1.astype(dtype), group_sizes, preferred_element_type=jnp.float32)
+  up = jax.lax.ragged_dot(xs, w3.astype(dtype), group_sizes, preferred_element_type=jnp.float32)
+  y = jax.lax.ragged_dot(act(gate, up).astype(dtype), w2.astype(dtype), group_sizes,
+                         preferred_element_type=jnp.float32)
+  y = jnp.where(mine[order][:, None], y * weights.reshape(-1)[order][:, None], 0.0)
+  return jnp.zeros((t, x.shape[-1]), jnp.float32).at[token].add(y)
+
+
+def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w1: jax.Array, w3: jax.Array,
+                   w2: jax.Array, *, act: Callable, dtype) -> jax.Array:
+  """Weighted sum of each token's routed experts, expert parallel on the ambient mesh.
+
+  Each device runs its ``E / N`` experts on the token copies routed to them, and one ``psum`` of the
+  ``[T, De]`` f32 partial sums combines the devices: neither the expert weights nor the ``[T * k, I]``
+  intermediates cross devices. Without a mesh all experts run in place.
+
+  Args:
+    x: ``[T, De]`` expert inputs (replicated). experts: ``[T, k]`` int32 ids. weights: ``[T, k]`` f32.
+    w1, w3: ``[E, De, I]`` gate and up weights. w2: ``[E, I, De]`` down weights (split by experts).
+    act: ``act(gate, up)`` on f32 ``[M, I]`` -> f32 (the gated activation).
+    dtype: compute dtype of the grouped matmuls (f32 accumulation).
+
+  Returns:
+    ``[T, De]`` f32, replicated.
+  """
+  mesh = ambient_mesh()
+  if mesh is None:
+    return _experts_on(x, experts, weights, w1, w3, w2, first=0, act=act, dtype=dtype)
+
+  def local(x, experts, weights, w1, w3, w2):
+    first = jax.lax.axis_index(MODEL) * w1.shape[0]
+    y = _experts_on(x, experts, weights, w1, w3, w2, first=first, act=act, dtype=dtype)
+    return jax.lax.psum(y, MODEL)
+
+  stacked = ("experts", None, None)
+  return shard_kernel(local, (None, None, None, stacked, stacked, stacked), None, mesh)(
+      x, experts, weights, w1, w3, w2)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelStep:
   """Jitted, sharded ``prefill`` / ``decode`` of a placed model (``jit_model_step``).

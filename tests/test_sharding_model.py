@@ -1,5 +1,6 @@
 """The Kimi-K3 model sharded over 9 CPU devices (impl="xla"): parameter layout, padding, the jitted step."""
 
+import functools
 import math
 import re
 
@@ -12,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import k3jax.layers.kda
 import k3jax.layers.mla
+import k3jax.layers.mlp
 from k3jax import cache as cache_lib, dcp, model as model_lib, sharding
 from k3jax.config import KDA, PAGE_SIZE, preset
 
@@ -68,6 +70,12 @@ def hooks():
       mp.setattr(k3jax.layers.kda, name, getattr(sharding, name))
     mp.setattr(k3jax.layers.mla, "mla_decode", dcp.mla_decode)
     mp.setattr(k3jax.layers.mla.MlaLayer, "_write", staticmethod(dcp.write_rows))
+
+    def experts_call(self, x, experts, weights):
+      return sharding.routed_experts(x, experts, weights, self.w1[...], self.w3[...], self.w2[...],
+                                     act=functools.partial(k3jax.layers.mlp.gated_act, self.cfg), dtype=self.cfg.dtype)
+
+    mp.setattr(k3jax.layers.mlp.Experts, "__call__", experts_call)
     yield
 
 
@@ -226,8 +234,13 @@ def check_collectives(cfg, hlo):
   for op, _, shape in decode + prefill:
     assert shape[-2:] != (PAGE_SIZE, latent) and shape[-2:] != (cfg.kda_head_dim, cfg.kda_head_dim), (op, shape)
     assert not (len(shape) == 3 and shape[1] == cfg.short_conv_kernel_size - 1), (op, shape)
+  # Expert parallel: no expert weight and no [T * k, I] expert intermediate crosses devices.
+  moe = {(cfg.moe_hidden_size, cfg.moe_intermediate_size), (cfg.moe_intermediate_size, cfg.moe_hidden_size)}
+  assert not [s for _, _, s in decode + prefill if s[-2:] in moe or s[-1:] == (cfg.moe_intermediate_size,)]
   # One all-gather of the queries over heads and one all-to-all of the packed (o, lse) per MLA layer.
   lse_width = 4 // cfg.partial_dtype.itemsize  # the f32 LSE travels bit-packed in the partial dtype
   assert [s for op, _, s in decode if op == "all-to-all"] == [(1, 3, 1, cfg.kv_lora_rank + lse_width)]
   assert (3, 9, latent) in [s for op, _, s in decode if op == "all-gather"]
-  assert not [s for op, _, s in prefill if op == "all-to-all"]
+  # Prefill attends to cached prefixes the same way: its all-to-alls carry partials of its tokens only.
+  assert all(s[::2] == (1, 1) and s[-1] == cfg.kv_lora_rank + lse_width
+             for op, _, s in prefill if op == "all-to-all")
