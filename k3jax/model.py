@@ -133,19 +133,20 @@ class KimiK3Model(nnx.Module):
     return mixers, out
 
   def prefill(self, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
-    """Prefill of a packed varlen batch; sequence n of the batch is sequence n of the cache.
+    """Prefill of a packed varlen batch; sequence n of the batch extends sequence n of the cache.
 
-    Every sequence with ``L_n > 0`` (re)starts from an empty state: its KDA slot and its first ``L_n``
-    latent rows are overwritten and ``seq_lens[n] = L_n``. Sequences with ``L_n == 0`` are left unchanged.
+    A sequence with ``seq_lens[n] == 0`` starts fresh; one with cached tokens continues from them (chunked
+    prefill: its KDA state and conv window are read, its new tokens attend to its cached latent rows).
+    ``L_n == 0`` leaves sequence n untouched. Restart a sequence by setting its ``seq_lens`` entry to 0.
 
     Args:
       tokens: ``[T]`` int32 token ids of N packed sequences.
       cu_seqlens: ``[N + 1]`` int32 with ``cu_seqlens[0] = 0``, non-decreasing, ``cu_seqlens[N] = T``;
-        ``N`` equals the cache's number of sequences and every ``L_n`` fits the cache capacity.
+        ``N`` equals the cache's number of sequences and ``seq_lens[n] + L_n`` fits the cache capacity.
       cache: ``ModelCache``.
 
     Returns:
-      ``logits [T, vocab]`` f32 and the updated cache.
+      ``logits [T, vocab]`` f32 and the updated cache (``seq_lens + L``).
     """
     num_seqs, max_pages = cache.block_table.shape
     _util.check_shape("tokens", tokens, (None,))
@@ -153,30 +154,31 @@ class KimiK3Model(nnx.Module):
     _util.check_shape("cu_seqlens", cu_seqlens, (num_seqs + 1,))
     _util.check_dtype("cu_seqlens", cu_seqlens, (jnp.int32,))
     t = tokens.shape[0]
-    cu = _util.concrete(cu_seqlens)
+    cu, cached = _util.concrete(cu_seqlens), _util.concrete(cache.seq_lens)
     if cu is not None:
       lens = np.diff(cu)
-      if cu[0] != 0 or cu[-1] != t or (lens < 0).any() or lens.max(initial=0) > max_pages * PAGE_SIZE:
-        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing, end at T={t} and give lengths "
-                         f"<= {max_pages * PAGE_SIZE} (the cache capacity), got {cu.tolist()}")
+      total = lens + (cached if cached is not None else 0)
+      if cu[0] != 0 or cu[-1] != t or (lens < 0).any() or total.max(initial=0) > max_pages * PAGE_SIZE:
+        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing, end at T={t} and give lengths that "
+                         f"fit the cache capacity {max_pages * PAGE_SIZE} after the cached tokens "
+                         f"{None if cached is None else cached.tolist()}, got {cu.tolist()}")
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     seq = (jnp.searchsorted(cu_seqlens, jnp.arange(t, dtype=jnp.int32), side="right") - 1).astype(jnp.int32)
-    pos = jnp.arange(t, dtype=jnp.int32) - cu_seqlens[seq]
+    pos = jnp.arange(t, dtype=jnp.int32) - cu_seqlens[seq] + cache.seq_lens[seq]
     # Empty sequences get slot -1: the ops then neither read nor write their state.
     slots = jnp.where(lens > 0, cache.state_indices, -1)
-    no_initial_state = jnp.zeros((num_seqs,), jnp.bool_)
+    has_initial_state = cache.seq_lens > 0
 
     def kda_fn(attn: KdaLayer, h, state: KdaState):
       return attn.prefill(h, state, cu_seqlens=cu_seqlens, state_indices=slots,
-                          has_initial_state=no_initial_state)
+                          has_initial_state=has_initial_state)
 
     def mla_fn(attn: MlaLayer, h, kv):
-      return attn.prefill(h, kv, seq=seq, pos=pos, block_table=cache.block_table)
+      return attn.prefill(h, kv, seq=seq, pos=pos, block_table=cache.block_table, prefix_lens=cache.seq_lens)
 
     mixers, out = self._mixers(cache, kda_fn, mla_fn)
     logits = self._run(tokens, mixers)
-    seq_lens = jnp.where(lens > 0, lens, cache.seq_lens).astype(jnp.int32)
-    return logits, cache.replace(kda=tuple(out["kda"]), mla=tuple(out["mla"]), seq_lens=seq_lens)
+    return logits, cache.replace(kda=tuple(out["kda"]), mla=tuple(out["mla"]), seq_lens=cache.seq_lens + lens)
 
   def decode(self, tokens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
     """One decode step: token n extends sequence n of the cache.

@@ -301,8 +301,10 @@ def test_mla_layer_prefill_then_decode(name):
   cache = init_cache(cfg, 2, 128, pages=pages, fill=np.nan)
   table = jnp.asarray([[3, 0], [4, 1]], jnp.int32)
   kv = cache.mla[0]
-  y, kv = run_module(m, lambda m, x, kv, s, p, bt: m.prefill(x, kv, seq=s, pos=p, block_table=bt),
-                     x, kv, jnp.asarray(seq), jnp.asarray(pos), table)
+  def prefill(m, x, kv, s, p, prefix):
+    return m.prefill(x, kv, seq=s, pos=p, block_table=table, prefix_lens=prefix)
+
+  y, kv = run_module(m, prefill, x, kv, jnp.asarray(seq), jnp.asarray(pos), jnp.zeros(2, jnp.int32))
   ref, rows = np_mla(cfg, m, npf(x), cu)
   assert y.shape == (79, cfg.hidden_size) and y.dtype == jnp.float32 and kv.dtype == jnp.float32
   assert_close(y, ref)
@@ -312,12 +314,20 @@ def test_mla_layer_prefill_then_decode(name):
   assert_close(kvn[4, :9], rows[70:79], atol=1e-5)
   assert np.isnan(kvn[2]).all() and np.isnan(kvn[0, 6:]).all()
 
+  # Chunked prefill: 3 and 4 more tokens attend to the cached rows too (positions 70.. and 9..).
+  xc = rand_x(cfg, 7, seed=11)
+  seq_c = np.array([0, 0, 0, 1, 1, 1, 1], np.int32)
+  pos_c = np.array([70, 71, 72, 9, 10, 11, 12], np.int32)
+  yc, kv = run_module(m, prefill, xc, kv, jnp.asarray(seq_c), jnp.asarray(pos_c), jnp.asarray([70, 9], jnp.int32))
+  seqs = [np.concatenate([npf(x)[:70], npf(xc)[:3]]), np.concatenate([npf(x)[70:], npf(xc)[3:]])]
+  assert_close(yc[:3], np_mla(cfg, m, seqs[0], np.array([0, 73]))[0][70:])
+  assert_close(yc[3:], np_mla(cfg, m, seqs[1], np.array([0, 13]))[0][9:])
+
   # Absorbed decode of one more token per sequence equals the non-absorbed oracle on L + 1 tokens.
   xd = rand_x(cfg, 2, seed=10)
   yd, kv = run_module(m, lambda m, x, kv, bt, sl: m.decode(x, kv, block_table=bt, seq_lens=sl),
-                      xd, kv, table, jnp.asarray([70, 9], jnp.int32))
-  for n, (s, e) in enumerate(((0, 70), (70, 79))):
-    full = np.concatenate([npf(x)[s:e], npf(xd)[n:n + 1]])
-    ref_n, _ = np_mla(cfg, m, full, np.array([0, e - s + 1]))
-    assert_close(yd[n], ref_n[-1])
+                      xd, kv, table, jnp.asarray([73, 13], jnp.int32))
+  for n in range(2):
+    full = np.concatenate([seqs[n], npf(xd)[n:n + 1]])
+    assert_close(yd[n], np_mla(cfg, m, full, np.array([0, len(full)]))[0][-1])
   assert np.isnan(np.asarray(kv)[2]).all()

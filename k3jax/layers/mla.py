@@ -4,7 +4,9 @@
 ``[c | k_pe] = kv_a_proj_with_mqa x``, ``c = kv_a_layernorm(c)``; ``kv_b_proj`` holds ``W_UK [R, H, dn]``
 and ``W_UV [R, H, dv]``. Nothing is rotated (NoPE); the ``dr`` slice is shared by all heads.
 
-* Prefill (non-absorbed): ``k = [c W_UK | k_pe]``, ``v = c W_UV``, causal attention per packed sequence.
+* Prefill (non-absorbed): ``k = [c W_UK | k_pe]``, ``v = c W_UV``, causal attention among the new tokens of
+  each packed sequence; a sequence that already has cached tokens (chunked prefill) also attends to them
+  in the absorbed form below, and the two parts are merged by their log-sum-exp (``merge_partials``).
 * Decode (absorbed): ``q_abs = [W_UK q_nope | q_pe]`` against the cached rows ``[c | k_pe]`` with
   ``mla_decode``, then ``o = o_lat W_UV``.
 
@@ -20,7 +22,7 @@ from flax import nnx
 from k3jax import nn_util
 from k3jax.config import PAGE_SIZE, K3Config
 from k3jax.layers.norms import RMSNorm
-from pallas_kernels import mla_decode
+from pallas_kernels import merge_partials, mla_decode
 
 
 class KvBProj(nnx.Module):
@@ -77,6 +79,23 @@ class MlaLayer(nnx.Module):
       o = o.astype(jnp.float32) * jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32))
     return self.o_proj(o.astype(self.cfg.dtype))
 
+  def _weights(self) -> tuple[jax.Array, jax.Array]:
+    return tuple(w[...].astype(self.cfg.dtype) for w in (self.kv_b_proj.w_uk, self.kv_b_proj.w_uv))
+
+  def _attend_cache(self, q: jax.Array, kv_cache: jax.Array, block_table: jax.Array,
+                    seq_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Absorbed attention of ``q [M, H, dn + dr]`` over ``seq_lens [M]`` cached rows of ``block_table [M, *]``.
+
+    Returns ``o [M, H, dv]`` f32 and ``lse [M, H]`` f32 (``(0, -inf)`` for an empty context)."""
+    cfg = self.cfg
+    dn = cfg.qk_nope_head_dim
+    w_uk, w_uv = self._weights()
+    q_lat = jnp.einsum("mhd,rhd->mhr", q[..., :dn], w_uk, preferred_element_type=jnp.float32)
+    q_abs = jnp.concatenate([q_lat.astype(cfg.dtype), q[..., dn:]], axis=-1)
+    o_lat, lse = mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=cfg.mla_scale,
+                            config=cfg.mla_op_config())
+    return jnp.einsum("mhr,rhv->mhv", o_lat, w_uv, preferred_element_type=jnp.float32), lse
+
   @staticmethod
   def _write(kv_cache: jax.Array, rows: jax.Array, block_table: jax.Array, seq: jax.Array,
              pos: jax.Array) -> jax.Array:
@@ -85,13 +104,14 @@ class MlaLayer(nnx.Module):
     return kv_cache.at[page, pos % PAGE_SIZE].set(rows)
 
   def prefill(self, x: jax.Array, kv_cache: jax.Array, *, seq: jax.Array, pos: jax.Array,
-              block_table: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Non-absorbed causal attention over packed fresh sequences; writes their latent rows.
+              block_table: jax.Array, prefix_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Non-absorbed causal attention over packed sequences (plus their cached prefix); writes their rows.
 
     Args:
       x: ``[T, D]`` normalised hidden states. kv_cache: ``[pages, 64, R + dr]``.
-      seq: ``[T]`` int32 sequence of each token. pos: ``[T]`` int32 position in its sequence (from 0).
+      seq: ``[T]`` int32 sequence of each token. pos: ``[T]`` int32 position of each token in its sequence.
       block_table: ``[N, max_pages]`` int32.
+      prefix_lens: ``[N]`` int32 tokens each sequence had cached before this call (0: a fresh sequence).
 
     Returns:
       ``[T, D]`` in ``cfg.dtype`` and the updated cache.
@@ -102,7 +122,7 @@ class MlaLayer(nnx.Module):
     rows = self._latent(x)
     kv_cache = self._write(kv_cache, rows, block_table, seq, pos)
     lat = rows.astype(cfg.dtype)
-    w_uk, w_uv = (w[...].astype(cfg.dtype) for w in (self.kv_b_proj.w_uk, self.kv_b_proj.w_uv))
+    w_uk, w_uv = self._weights()
     k_nope = jnp.einsum("tr,rhd->thd", lat[:, :r], w_uk, preferred_element_type=jnp.float32).astype(cfg.dtype)
     v = jnp.einsum("tr,rhd->thd", lat[:, :r], w_uv, preferred_element_type=jnp.float32).astype(cfg.dtype)
     k_pe = jnp.broadcast_to(lat[:, None, r:], (lat.shape[0], q.shape[1], cfg.qk_rope_head_dim))
@@ -110,8 +130,12 @@ class MlaLayer(nnx.Module):
     # dot_product_attention needs one head dim for q, k and v: pad v to dn + dr and slice it back.
     v = jnp.pad(v, ((0, 0), (0, 0), (0, q.shape[-1] - dv)))
     mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
-    o = jax.nn.dot_product_attention(q[None], k[None], v[None], mask=mask[None, None], scale=cfg.mla_scale)
-    return self._output(x, o[0, :, :, :dv]), kv_cache
+    o_new, lse_new = jax.nn.dot_product_attention(q[None], k[None], v[None], mask=mask[None, None],
+                                                  scale=cfg.mla_scale, return_residual=True)
+    o_pre, lse_pre = self._attend_cache(q, kv_cache, block_table[seq], prefix_lens[seq])
+    o, _ = merge_partials(jnp.stack([o_new[0, :, :, :dv].astype(jnp.float32), o_pre]),
+                          jnp.stack([lse_new[0].astype(jnp.float32), lse_pre]))
+    return self._output(x, o), kv_cache
 
   def decode(self, x: jax.Array, kv_cache: jax.Array, *, block_table: jax.Array,
              seq_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -124,15 +148,7 @@ class MlaLayer(nnx.Module):
     Returns:
       ``[N, D]`` in ``cfg.dtype`` and the updated cache.
     """
-    cfg = self.cfg
-    dn = cfg.qk_nope_head_dim
     q = self._query(x)
-    n = x.shape[0]
-    kv_cache = self._write(kv_cache, self._latent(x), block_table, jnp.arange(n), seq_lens)
-    w_uk, w_uv = (w[...].astype(cfg.dtype) for w in (self.kv_b_proj.w_uk, self.kv_b_proj.w_uv))
-    q_lat = jnp.einsum("nhd,rhd->nhr", q[..., :dn], w_uk, preferred_element_type=jnp.float32)
-    q_abs = jnp.concatenate([q_lat.astype(cfg.dtype), q[..., dn:]], axis=-1)
-    o_lat, _ = mla_decode(q_abs, kv_cache, block_table, seq_lens + 1, scale=cfg.mla_scale,
-                          config=cfg.mla_op_config())
-    o = jnp.einsum("nhr,rhv->nhv", o_lat, w_uv, preferred_element_type=jnp.float32)
+    kv_cache = self._write(kv_cache, self._latent(x), block_table, jnp.arange(x.shape[0]), seq_lens)
+    o, _ = self._attend_cache(q, kv_cache, block_table, seq_lens + 1)
     return self._output(x, o), kv_cache
