@@ -228,6 +228,8 @@ def write_rows(kv_cache: jax.Array, rows: jax.Array, block_table: jax.Array, seq
   On the ambient mesh this is ``dcp_write`` (owner device only); without one the plain paged write.
   """
   mesh = sharding.ambient_mesh()
+  seq, pos = seq.astype(jnp.int32), pos.astype(jnp.int32)
   if mesh is None:
-    return _write_local(kv_cache, block_table, seq.astype(jnp.int32), pos.astype(jnp.int32), rows, n=1, rank=0)
-  return dcp_write(kv_cache, block_table, seq.astype(jnp.int32), pos.astype(jnp.int32), rows, mesh=mesh)
+    return _write_local(kv_cache, block_table, seq, pos, rows, n=1, rank=0)
+  sharding.TRACED_DROP_INS["write_rows"] += 1
+  return dcp_write(kv_cache, block_table, seq, pos, rows, mesh=mesh)

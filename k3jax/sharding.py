@@ -1,21 +1,39 @@
-"""The one module that knows mesh axes: mesh, logical names, specs, padding, and shard_map around kernels.
+"""The one module that knows mesh axes: mesh, logical names, padding, sharded caches and the jitted step.
+
+Use (``k3jax.checkpoint.load_hf(path, mesh=mesh)`` does the first step while loading)::
+
+  mesh = make_mesh(9)
+  model, plan = shard_model(model, mesh)          # pad for 9 devices, place every parameter
+  cache = init_cache(model.cfg, num_seqs, max_seq_len, mesh)
+  step = jit_model_step(model, mesh, vocab_size=plan.real("vocab_size"))
+  logits, cache = step.prefill(tokens, cu_seqlens, cache)
+  logits, cache = step.decode(next_tokens, cache)
 
 Design: one 1-D mesh axis ``"model"`` over N devices. Tensor parallelism (TP) and decode context
-parallelism (DCP) share it, as vLLM's ``-tp N -dcp N``: query heads, KDA heads, routed experts, FFN widths
-and the vocabulary are split N ways, and the tokens of the MLA latent cache are dealt round robin
-(``k3jax.dcp``). Embeddings, latents and the batch stay whole on every device.
+parallelism (DCP) share it, as vLLM's ``-tp N -dcp N``:
 
-The axis type is ``Auto``. The model modules are written without sharding annotations; with ``Auto`` the
+- MLA: ``q_b_proj`` / ``kv_b_proj`` / ``g_proj`` split by heads (column parallel), ``o_proj`` by heads (row
+  parallel, one all-reduce); the latent projections stay whole. The latent cache is split along tokens
+  (``k3jax.dcp``): queries are all-gathered over heads and the ``(o, lse)`` partials come back in one
+  all-to-all in ``partial_dtype``.
+- KDA: every per-head tensor (projections, conv taps, ``A_log``, ``dt_bias``, the state pool and the conv
+  pool) is split by heads; the ops run per device (``kda_prefill`` ... drop-ins), states never move.
+- MoE: expert parallel. Router and experts are split by experts (``routed_experts``: each device runs its
+  experts, one psum of ``[T, De]``); shared experts and the dense MLP are split by FFN width.
+- Vocabulary split in the embedding and the LM head; the logits are replicated at the end.
+
+The axis type is ``Auto``. The model modules carry logical names but no shardings; with ``Auto`` the
 partitioner propagates the parameter shardings through them, while ``Explicit`` would need an
 ``out_sharding`` on every contraction over a split dim inside model code. Where a layout matters it is
-pinned with ``constrain`` and with jit in/out shardings, and every Pallas call goes through
-``shard_kernel`` because Pallas calls are never partitioned automatically.
+pinned with ``constrain`` and with jit in/out shardings, and every kernel call goes through
+``shard_kernel`` (``jax.shard_map``) because Pallas calls are never partitioned automatically.
 
 Nothing is silently replicated: a dim named with a split logical name that does not divide by the mesh
-size raises ``ValueError``; ``PaddingPlan`` pads such dims exactly (zero heads, never-selected experts,
-zero FFN columns, masked vocab rows).
+size raises ``ValueError``; ``PaddingPlan`` pads the model exactly (zero heads, never-selected experts,
+zero FFN columns, dropped vocab rows).
 """
 
+import collections
 from collections.abc import Callable, Sequence
 import dataclasses
 import math
@@ -29,7 +47,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from k3jax import cache as cache_lib
 from k3jax.cache import KdaState, ModelCache
-from k3jax.config import KDA
+from k3jax.config import KDA, MLA
 from pallas_kernels import _util
 from pallas_kernels.kda import api as kda_ops
 from pallas_kernels.kda import short_conv
@@ -353,6 +371,11 @@ def init_cache(cfg, num_seqs: int, max_seq_len: int, mesh: jax.sharding.Mesh, *,
     return jax.jit(build, out_shardings=tree_shardings(mesh, cache_specs(cfg)))()
 
 
+# Mesh-aware drop-in calls traced on a mesh, by name. ``jit_model_step`` checks that the model made the ones
+# its layout needs: the DCP latent cache is only correct when every MLA write goes through the drop-in.
+TRACED_DROP_INS: collections.Counter = collections.Counter()
+
+
 def ambient_mesh() -> jax.sharding.AbstractMesh | None:
   """The mesh set with ``jax.set_mesh`` when its model axis has more than one device, else None."""
   mesh = jax.sharding.get_abstract_mesh()
@@ -528,13 +551,20 @@ def jit_model_step(model: nnx.Module, mesh: jax.sharding.Mesh, *, vocab_size: in
   caches = tree_shardings(mesh, cache_specs(cfg))
   whole = NamedSharding(mesh, P())
 
-  def prefill(state, tokens, cu_seqlens, cache):
-    logits, cache = nnx.merge(graphdef, state).prefill(tokens, cu_seqlens, cache)
+  def checked(run):
+    TRACED_DROP_INS.clear()
+    logits, cache = run()
+    if MLA in cfg.layer_types and mesh_size(mesh) > 1 and not TRACED_DROP_INS["write_rows"]:
+      raise NotImplementedError("the model's MLA layers write the latent cache without k3jax.dcp.write_rows "
+                                "(and read it without k3jax.dcp.mla_decode); on a mesh that would corrupt "
+                                "the DCP cache")
     return logits[:, :vocab], cache
 
+  def prefill(state, tokens, cu_seqlens, cache):
+    return checked(lambda: nnx.merge(graphdef, state).prefill(tokens, cu_seqlens, cache))
+
   def decode(state, tokens, cache):
-    logits, cache = nnx.merge(graphdef, state).decode(tokens, cache)
-    return logits[:, :vocab], cache
+    return checked(lambda: nnx.merge(graphdef, state).decode(tokens, cache))
 
   return ModelStep(
       mesh=mesh, state=state,

@@ -62,7 +62,7 @@ def flat_specs(model):
           for path, spec in nnx.to_flat_state(sharding.param_specs(model))}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def hooks():
   """Routes the layers' op calls through the mesh-aware drop-ins (the hooks asked of the model's owner)."""
   with pytest.MonkeyPatch.context() as mp:
@@ -141,6 +141,19 @@ def test_unpadded_model_is_refused(tiny):
     sharding.PaddingPlan.for_config(tiny.cfg, 0)
   with pytest.raises(ValueError, match="field must be one of"):
     sharding.PaddingPlan.for_config(tiny.cfg, N).padded("hidden_size")
+
+
+def test_model_without_the_dcp_hooks_is_refused(tiny, monkeypatch):
+  def plain_write(kv_cache, rows, block_table, seq, pos):  # a layer unaware of the DCP layout
+    return kv_cache.at[block_table[seq, pos // PAGE_SIZE], pos % PAGE_SIZE].set(rows)
+
+  monkeypatch.setattr(k3jax.layers.mla.MlaLayer, "_write", staticmethod(plain_write))
+  mesh = sharding.make_mesh(N)
+  placed, _ = sharding.shard_model(tiny, mesh)
+  step = sharding.jit_model_step(placed, mesh, vocab_size=tiny.cfg.vocab_size)
+  cache = sharding.init_cache(placed.cfg, 2, 64, mesh)
+  with pytest.raises(NotImplementedError, match="without k3jax.dcp.write_rows"):
+    step.prefill(jnp.zeros(4, jnp.int32), jnp.asarray([0, 1, 4], jnp.int32), cache)
 
 
 def run_sharded_and_single(model, steps=2):
