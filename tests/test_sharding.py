@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import AxisType, PartitionSpec as P
 
 from k3jax import nn_util, sharding
