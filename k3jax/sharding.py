@@ -460,9 +460,10 @@ def _experts_on(x, experts, weights, w1, w3, w2, *, first, act, dtype):
   num_local = w1.shape[0]
   local = experts.reshape(-1) - first
   mine = (local >= 0) & (local < num_local)
-  order = jnp.argsort(jnp.where(mine, local, num_local), stable=True)
+  group = jnp.where(mine, local, num_local)
+  order = jnp.argsort(group, stable=True)
   token = order // k
-  group_sizes = jnp.sum(local[:, None] == jnp.arange(num_local), axis=0, dtype=jnp.int32)
+  group_sizes = jnp.bincount(group, length=num_local + 1)[:num_local].astype(jnp.int32)
   xs = x.astype(dtype)[token]
   gate = jax.lax.ragged_dot(xs, w1.astype(dtype), group_sizes, preferred_element_type=jnp.float32)
   up = jax.lax.ragged_dot(xs, w3.astype(dtype), group_sizes, preferred_element_type=jnp.float32)
