@@ -608,8 +608,8 @@ def write_tiny_hf(path: str | os.PathLike, config: K3Config, seed: int, fmt: str
   Files: ``config.json`` (``config.to_hf(fmt)``, plus ``quantization_config`` with ``mxfp4``),
   ``generation_config.json``, ``model.safetensors.index.json`` and ``num_shards`` shards
   ``model-0000i-of-0000n.safetensors``. Linear weights are ``N(0, 1/in)`` bf16 ``[out, in]``, norm weights
-  ``1 + N(0, 0.05)`` bf16, ``A_log``/``dt_bias``/convs/correction bias f32. Routed expert weights are always
-  drawn on the MXFP4 grid (e2m1 times a power of two per 32 inputs), so the bf16 (``mxfp4=False``) and
+  ``1 + N(0, 0.05)`` bf16, ``A_log``/``dt_bias``/convs/correction bias f32. Routed expert weights are
+  drawn on the MXFP4 grid (when their input width is a multiple of 32) (e2m1 times a power of two per 32 inputs), so the bf16 (``mxfp4=False``) and
   the MXFP4 checkpoint of one seed dequantize to identical weights. ``kimi_k3`` also writes vision tensors.
 
   Args:
@@ -650,8 +650,12 @@ def write_tiny_hf(path: str | os.PathLike, config: K3Config, seed: int, fmt: str
     if rule.num_experts:
       rows, cols = rule.hf_shape
       for e in range(rule.num_experts):
-        codes, scale = _mxfp4_draw(rng, rule.hf_shape, cols ** -0.5)
         names = [prefix + n for n in _expert_names(rule, e, mxfp4)]
+        if cols % MXFP4_GROUP:
+          # No MXFP4 twin exists at this width (mxfp4 was refused above): plain bf16 weights.
+          tensors[names[0]] = rng.normal(0.0, cols ** -0.5, rule.hf_shape).astype(ml_dtypes.bfloat16)
+          continue
+        codes, scale = _mxfp4_draw(rng, rule.hf_shape, cols ** -0.5)
         if mxfp4:
           tensors[names[0]], tensors[names[1]] = _mxfp4_pack(codes), scale
         else:

@@ -1,0 +1,5 @@
+import sys
+
+from k3jax.cli import main
+
+sys.exit(main())
