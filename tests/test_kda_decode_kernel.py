@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from pallas_kernels.kda.api import kda_decode, kda_prefill
 from pallas_kernels.kda.config import KdaConfig
 from pallas_kernels.kda.decode_kernel import kda_decode_mosaic
 
@@ -135,27 +136,6 @@ def test_speculative_matches_oracle(kernel_impl, lower_bound, state_dtype):
          untouched=untouched)
 
 
-@pytest.mark.parametrize("lower_bound", [None, LB])
-def test_decode_steps_continue_a_longer_recurrence(kernel_impl, lower_bound):
-  """The state after T - j tokens followed by j kernel decode steps equals the recurrence over T tokens."""
-  heads, kdim, vdim, total, j = 2, 64, 64, 6, 2
-  args, pool = _inputs(2, 1, total, heads, kdim, vdim, 2)
-  pool = pool.at[1].set(0.0)  # the prefix starts from zero; slot 0 stays as it is
-  slots_all = np.asarray([[1] * total])
-  o_ref, pool_ref = _oracle(*args, pool, slots_all, [1], lower_bound=lower_bound, state_dtype=np.float32)
-  _, prefix_pool = _oracle(*[a[:, :total - j] if i < 5 else a for i, a in enumerate(args)], pool,
-                           slots_all[:, :total - j], [1], lower_bound=lower_bound, state_dtype=np.float32)
-  config = KdaConfig(lower_bound=lower_bound, impl=kernel_impl)
-  state = jnp.asarray(prefix_pool)
-  for t in range(total - j, total):
-    o, state = _run([a[:, t:t + 1] if i < 5 else a for i, a in enumerate(args)], state, [[1]], [1],
-                    config=config, impl=kernel_impl, single=True)
-    # f32 kernel vs float64 over 6 tokens: same budget as a single step.
-    np.testing.assert_allclose(o[:, 0], o_ref[:, t], rtol=2e-5, atol=2e-5)
-  np.testing.assert_allclose(np.asarray(state), pool_ref, rtol=2e-5, atol=2e-5)
-  np.testing.assert_array_equal(np.asarray(state[0]), np.asarray(pool[0]))
-
-
 @pytest.mark.parametrize("single, lower_bound, state_dtype, dtype", [
     (True, None, jnp.float32, jnp.bfloat16), (False, LB, jnp.bfloat16, jnp.bfloat16),
     (True, LB, jnp.bfloat16, jnp.float32), (False, None, jnp.float32, jnp.float32)])
@@ -198,3 +178,59 @@ def test_real_sizes_on_gpu(steps, lower_bound, state_dtype):
                             state_dtype=ml_dtypes.bfloat16 if state_dtype == jnp.bfloat16 else np.float32)
   _check(o, new_pool, o_ref, pool_ref, pool, vdim=128, dtype=jnp.bfloat16, state_dtype=state_dtype,
          untouched=untouched)
+
+
+def _on_device0(*xs):
+  dev = jax.devices()[0]
+  return [jax.device_put(x, dev) for x in xs]
+
+
+@pytest.mark.parametrize("lower_bound, state_dtype", [(None, jnp.bfloat16), (LB, jnp.float32)])
+def test_public_api_matches_reference(kernel_impl, lower_bound, state_dtype):
+  """``kda_decode(impl=kernel)`` vs ``kda_decode(impl="xla")`` (``kda_decode_reference``), speculative form."""
+  args, pool = _inputs(6, 3, 2, 2, 64, 64, 8, jnp.bfloat16, state_dtype)
+  args = _on_device0(*args)
+  slots = jnp.asarray([[0, 1], [-1, 3], [4, 5]], jnp.int32)
+  accepted = jnp.asarray([2, 1, 1], jnp.int32)
+  pool = pool.at[jnp.asarray([2, 3, 6, 7])].set(POISON)
+  outs = {}
+  for impl in ("xla", kernel_impl):
+    config = KdaConfig(lower_bound=lower_bound, state_dtype=state_dtype, impl=impl)
+    (p,) = _on_device0(jnp.array(pool, copy=True))  # the kernel path donates the pool
+    outs[impl] = kda_decode(*args[:5], A_log=args[5], dt_bias=args[6], state_pool=p, state_indices=slots,
+                            num_accepted=accepted, config=config)
+  (o_ref, p_ref), (o, p) = outs["xla"], outs[kernel_impl]
+  assert o.shape == o_ref.shape and o.dtype == o_ref.dtype == jnp.bfloat16 and p.dtype == p_ref.dtype
+  # Same f32 math in a different order; both round o to bf16 (and the state to bf16 for that pool), so
+  # they may land one bf16 ulp apart: 2^-8 of O(1) values.
+  np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_ref, np.float32), rtol=8e-3, atol=8e-3)
+  np.testing.assert_allclose(np.asarray(p, np.float32), np.asarray(p_ref, np.float32), rtol=8e-3, atol=8e-3)
+  untouched = jnp.asarray([2, 3, 6, 7])
+  np.testing.assert_array_equal(np.asarray(p[untouched]), np.asarray(pool[untouched]))
+
+
+@pytest.mark.parametrize("lower_bound", [None, LB])
+def test_prefill_then_decode_steps_equal_longer_prefill(kernel_impl, lower_bound):
+  """``kda_prefill(T - j)`` then j kernel decode steps equals ``kda_prefill(T)``: outputs and final state."""
+  total, j, heads, kdim, vdim = 7, 2, 2, 64, 64
+  args, pool = _inputs(7, 1, total, heads, kdim, vdim, 4)
+  # Slices are taken in NumPy: every eager jnp slice of a new shape would be one more XLA compile.
+  q, k, v, g_raw, beta_raw = (np.asarray(a[0]) for a in args[:5])
+  A_log, dt_bias = _on_device0(*args[5:])
+  pool = pool.at[jnp.asarray([0, 3])].set(POISON).at[2].set(pool[1])  # both sequences resume one state
+  # One packed prefill (one compile): the whole sequence into slot 1, its first T - j tokens into slot 2.
+  packed = _on_device0(*(np.concatenate([x, x[:total - j]]) for x in (q, k, v, g_raw, beta_raw)))
+  o_full, p = kda_prefill(*packed, A_log=A_log, dt_bias=dt_bias,
+                          cu_seqlens=jnp.asarray([0, total, 2 * total - j], jnp.int32), state_pool=pool,
+                          state_indices=jnp.asarray([1, 2], jnp.int32), has_initial_state=jnp.asarray([True, True]),
+                          config=KdaConfig(lower_bound=lower_bound, impl="xla"))
+  config = KdaConfig(lower_bound=lower_bound, impl=kernel_impl)
+  (p,) = _on_device0(p)
+  for t in range(total - j, total):
+    step = _on_device0(*(x[t:t + 1] for x in (q, k, v, g_raw, beta_raw)))
+    o, p = kda_decode(*step, A_log=A_log, dt_bias=dt_bias, state_pool=p, state_indices=jnp.asarray([2], jnp.int32),
+                      config=config)
+    # Chunked (WY) prefill vs token recurrence, both f32 with O(1) values over 7 tokens: ~1e-6 apart.
+    np.testing.assert_allclose(np.asarray(o[0]), np.asarray(o_full[t]), rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(p[2]), np.asarray(p[1]), rtol=2e-5, atol=2e-5)
+  np.testing.assert_array_equal(np.asarray(p[jnp.asarray([0, 3])]), np.asarray(pool[jnp.asarray([0, 3])]))
