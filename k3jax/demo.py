@@ -32,7 +32,8 @@ def _cu(lens) -> jax.Array:
 
 
 def main() -> int:
-  cfg = k3jax.preset("tiny")
+  # K = 64: the Mosaic GPU KDA kernels take K in {64, 128}, so the same demo runs them on a Hopper GPU.
+  cfg = k3jax.preset("tiny", kda_head_dim=64)
   model = k3jax.KimiK3Model(cfg, rngs=nnx.Rngs(0))
   n = len(PROMPT_LENS)
   max_len = max(PROMPT_LENS) + DECODE_STEPS
