@@ -77,7 +77,9 @@ def time_ours(data, slots, state_dtype, iters: int):
   pool = jnp.asarray(data["pool"], state_dtype)
   slot_arrays = [jnp.asarray(s) for s in slots]
   config = KdaConfig(lower_bound=LB, state_dtype=state_dtype, impl="pallas")
-  step = functools.partial(kda_decode_mosaic, q, k, v, g, beta, a_log, dt_bias, config=config, interpret=False)
+  # Donating the pool makes the kernel update it in place, as inside the model's donated step.
+  step = jax.jit(functools.partial(kda_decode_mosaic, q, k, v, g, beta, a_log, dt_bias, config=config,
+                                   interpret=False), donate_argnums=(0,))
   o, pool = step(pool, slot_arrays[0], None)  # compile + warm up
   jax.block_until_ready((o, pool))
   o0 = np.asarray(o.astype(jnp.float32))

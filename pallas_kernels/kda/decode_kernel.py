@@ -5,7 +5,8 @@ read and written once per step, while the token's own inputs are ``K``-sized vec
 (V-block of ``BV`` rows, head, sequence) streams its ``[BV, K]`` block of the V-first pool slot in with one
 TMA, keeps it in f32 registers (WGMMA layout: rows = V, columns = K) for all of the sequence's tokens, and
 streams each token's state back out with one TMA. The pool is updated in place: it is passed as a
-``jax.new_ref`` (``plgpu.kernel`` has no ``input_output_aliases``) inside a jit that donates it.
+``jax.new_ref`` (``plgpu.kernel`` has no ``input_output_aliases``); like every impl of ``kda_decode`` it does
+not donate the pool itself: inside an enclosing jit that donates the pool the update happens in place.
 
 Per token, with ``S`` V-first ``[BV, K]`` (spec ``kda.md`` §3, §7), all in f32:
 ``S *= exp(g)[None, :]``, ``u = beta * (v - S k)``, ``S += u k^T``, ``o = scale * S q``; q and k are
@@ -146,7 +147,7 @@ def _launch(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool_ref, state_indices, n
   return kernel(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_indices, accepted, pool_ref)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"), donate_argnames=("state_pool",))
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def _decode(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, state_indices, num_accepted, *,
             config: KdaConfig, interpret: bool):
   single = q.ndim == 3
@@ -169,7 +170,7 @@ def kda_decode_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array
   Args:
     q, k: ``[N, H, K]`` or ``[N, 1 + S, H, K]`` raw; v: ``[..., H, V]``; g_raw: like q; beta_raw:
       ``[..., H]``. A_log: ``[H]`` f32; dt_bias: ``[H, K]`` f32.
-    state_pool: ``[P, H, V, K]`` (V-first) in ``config.state_dtype``; **donated**: updated in place.
+    state_pool: ``[P, H, V, K]`` (V-first) in ``config.state_dtype`` (not donated here).
     state_indices: ``[N]`` or ``[N, 1 + S]`` int32; num_accepted: ``[N]`` int32 (speculative form) or None.
     config: ``KdaConfig`` (gate kind, scale, state dtype).
     interpret: run in Mosaic GPU interpret mode (CPU).
