@@ -18,8 +18,8 @@ from k3jax import nn_util
 from k3jax.cache import KdaState
 from k3jax.config import K3Config
 from k3jax.layers.norms import RMSNorm
-from pallas_kernels import kda_decode, kda_prefill
-from pallas_kernels.kda.short_conv import short_conv_prefill, short_conv_update
+# The mesh-aware drop-ins: split over heads on the ambient mesh, the plain ops without one.
+from k3jax.sharding import kda_decode, kda_prefill, short_conv_prefill, short_conv_update
 
 _CONVS = (("q", "conv_q"), ("k", "conv_k"), ("v", "conv_v"))
 
