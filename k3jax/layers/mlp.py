@@ -1,15 +1,18 @@
 """Dense gated MLP and the Kimi MoE block (sigmoid router, bias for selection only, latent experts).
 
-Routed experts run as three ``jax.lax.ragged_dot`` calls over the token copies sorted by expert.
+Routed experts run as three ``jax.lax.ragged_dot`` calls over the token copies sorted by expert
+(``k3jax.sharding.routed_experts``: expert parallel on a mesh, all experts in place without one).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax import nn_util
+from k3jax import nn_util, sharding
 from k3jax.config import K3Config
 from k3jax.layers.norms import RMSNorm
 
@@ -88,20 +91,8 @@ class Experts(nnx.Module):
     Returns:
       ``[T, De]`` f32.
     """
-    cfg = self.cfg
-    t, k = experts.shape
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token = order // k
-    group_sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
-    xs = x.astype(cfg.dtype)[token]
-    w1, w3, w2 = (w[...].astype(cfg.dtype) for w in (self.w1, self.w3, self.w2))
-    gate = jax.lax.ragged_dot(xs, w1, group_sizes, preferred_element_type=jnp.float32)
-    up = jax.lax.ragged_dot(xs, w3, group_sizes, preferred_element_type=jnp.float32)
-    h = gated_act(cfg, gate, up).astype(cfg.dtype)
-    y = jax.lax.ragged_dot(h, w2, group_sizes, preferred_element_type=jnp.float32)
-    y = y * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((t, x.shape[-1]), jnp.float32).at[token].add(y)
+    return sharding.routed_experts(x, experts, weights, self.w1[...], self.w3[...], self.w2[...],
+                                   act=functools.partial(gated_act, self.cfg), dtype=self.cfg.dtype)
 
 
 class MoE(nnx.Module):
