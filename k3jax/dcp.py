@@ -48,6 +48,21 @@ def pages_per_device(seq_len: int, n: int, page_size: int = 64) -> int:
   return _util.cdiv(_util.cdiv(seq_len, n), page_size)
 
 
+def capacity(max_pages: int, n: int | None = None, page_size: int = 64) -> int:
+  """Tokens one sequence can hold in a DCP cache whose block table has ``max_pages`` columns: ``n * max_pages
+  * page_size``.
+
+  Args:
+    max_pages: block-table columns (local pages per sequence and device).
+    n: devices; None means the ambient mesh's (``jax.set_mesh``; 1 without one: the plain paged cache).
+    page_size: rows per page.
+  """
+  if n is None:
+    mesh = sharding.ambient_mesh()
+    n = 1 if mesh is None else sharding.mesh_size(mesh)
+  return n * max_pages * page_size
+
+
 def _pack(o: jax.Array, lse: jax.Array, dtype) -> jax.Array:
   """``[..., Dc]`` partials and their f32 ``[...]`` LSE as one ``[..., Dc + w]`` buffer of ``dtype``.
 
@@ -176,10 +191,10 @@ def dcp_write(kv_cache: jax.Array, block_table: jax.Array, seq_ids: jax.Array, p
   n = sharding.mesh_size(mesh)
   ids, pos = _util.concrete(seq_ids), _util.concrete(positions)
   if ids is not None and pos is not None:
-    capacity = n * block_table.shape[1] * kv_cache.shape[1]
+    limit = capacity(block_table.shape[1], n, kv_cache.shape[1])
     used = (ids >= 0) & (pos >= 0)
-    if (ids[used] >= block_table.shape[0]).any() or (pos[used] >= capacity).any():
-      raise ValueError(f"seq_ids must lie in [-1, {block_table.shape[0]}) and positions in [-1, {capacity}) "
+    if (ids[used] >= block_table.shape[0]).any() or (pos[used] >= limit).any():
+      raise ValueError(f"seq_ids must lie in [-1, {block_table.shape[0]}) and positions in [-1, {limit}) "
                        f"(N * max_pages * page_size), got max {ids.max()} and {pos.max()}")
   return _dcp_write(kv_cache, block_table, seq_ids, positions, kv_new, mesh=mesh)
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax import nn_util
+from k3jax import dcp, nn_util
 from k3jax.cache import KdaState, ModelCache
 from k3jax.config import KDA, PAGE_SIZE, K3Config
 from k3jax.layers.attn_res import AttnResSite
@@ -142,7 +142,8 @@ class KimiK3Model(nnx.Module):
     Args:
       tokens: ``[T]`` int32 token ids of N packed sequences.
       cu_seqlens: ``[N + 1]`` int32 with ``cu_seqlens[0] = 0``, non-decreasing, ``cu_seqlens[N] = T``;
-        ``N`` equals the cache's number of sequences and ``seq_lens[n] + L_n`` fits the cache capacity.
+        ``N`` equals the cache's number of sequences and ``seq_lens[n] + L_n`` fits the cache capacity
+        (``max_pages * 64`` tokens, times the devices of the ambient mesh for a DCP cache).
       cache: ``ModelCache``.
 
     Returns:
@@ -158,9 +159,11 @@ class KimiK3Model(nnx.Module):
     if cu is not None:
       lens = np.diff(cu)
       total = lens + (cached if cached is not None else 0)
-      if cu[0] != 0 or cu[-1] != t or (lens < 0).any() or total.max(initial=0) > max_pages * PAGE_SIZE:
+      # On a mesh the cache is a DCP cache: each block-table row addresses max_pages pages on every device.
+      limit = dcp.capacity(max_pages, page_size=PAGE_SIZE)
+      if cu[0] != 0 or cu[-1] != t or (lens < 0).any() or total.max(initial=0) > limit:
         raise ValueError(f"cu_seqlens must start at 0, be non-decreasing, end at T={t} and give lengths that "
-                         f"fit the cache capacity {max_pages * PAGE_SIZE} after the cached tokens "
+                         f"fit the cache capacity {limit} after the cached tokens "
                          f"{None if cached is None else cached.tolist()}, got {cu.tolist()}")
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     seq = (jnp.searchsorted(cu_seqlens, jnp.arange(t, dtype=jnp.int32), side="right") - 1).astype(jnp.int32)

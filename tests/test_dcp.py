@@ -205,6 +205,15 @@ def test_hlo_moves_queries_and_partials_never_the_cache():
   assert re.search(rf"stablehlo.all_to_all.*\({wire}\) -> {wire}", lowered.as_text())
 
 
+def test_capacity_follows_the_ambient_mesh():
+  assert dcp.capacity(2, 9) == 9 * 2 * 64 and dcp.capacity(3, 1, page_size=16) == 48
+  assert dcp.capacity(2) == 128  # no mesh: the plain paged cache
+  with jax.set_mesh(sharding.make_mesh(9)):
+    assert dcp.capacity(2) == 1152
+  with jax.set_mesh(sharding.make_mesh(1)):
+    assert dcp.capacity(2) == 128
+
+
 def test_validation_errors():
   n = 9
   mesh = sharding.make_mesh(n)

@@ -16,7 +16,7 @@ from test_layers import (F32, assert_close, fast_jit, np_attn_res, np_kda, np_ml
 
 import k3jax
 from k3jax import config as cfg_lib
-from k3jax import dcp, nn_util
+from k3jax import dcp, nn_util, sharding
 from k3jax.cache import SlotAllocator, init_cache
 from pallas_kernels import _util
 
@@ -299,8 +299,11 @@ def test_bad_inputs_raise():
     r.model.prefill(jnp.zeros(4, jnp.int32), jnp.asarray([0, 4], jnp.int32), cache)
   with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
     r.model.prefill(jnp.zeros(4, jnp.int32), jnp.asarray([0, 3, 2, 4], jnp.int32), cache)
-  with pytest.raises(ValueError, match="cache capacity"):
+  with pytest.raises(ValueError, match="cache capacity 128 "):
     r.model.prefill(jnp.zeros(130, jnp.int32), jnp.asarray([0, 130, 130, 130], jnp.int32), cache)
+  # On a mesh the same block table addresses a DCP cache: 2 local pages on each of 9 devices.
+  with jax.set_mesh(sharding.make_mesh(9)), pytest.raises(ValueError, match="cache capacity 1152 "):
+    r.model.prefill(jnp.zeros(1153, jnp.int32), jnp.asarray([0, 1153, 1153, 1153], jnp.int32), cache)
   _, cache = r.prefill(tokens_for(r.cfg, 0), [T, 0, 0], cache)
   with pytest.raises(ValueError, match="cache capacity"):  # 20 cached + 110 new > 128
     r.model.prefill(jnp.zeros(110, jnp.int32), jnp.asarray([0, 110, 110, 110], jnp.int32), cache)
