@@ -23,7 +23,8 @@ NOTEBOOKS = run.notebooks()
 
 def test_every_issue_notebook_exists():
   names = {p.name for p in NOTEBOOKS}
-  assert {"01_kda_prefill_and_checkpoints.ipynb", "02_mla_split_k_partials.ipynb"} <= names, names
+  assert {"01_kda_prefill_and_checkpoints.ipynb", "02_mla_split_k_partials.ipynb",
+          "03_sharded_k3_block.ipynb"} <= names, names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
