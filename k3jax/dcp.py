@@ -85,7 +85,9 @@ def _decode_local(q, kv, block_table, seq_lens, *, scale, config):
   n = jax.lax.axis_size(sharding.MODEL)
   rank = jax.lax.axis_index(sharding.MODEL)
   q_all = jax.lax.all_gather(q, sharding.MODEL, axis=1, tiled=True)
-  o, lse = mla_ops.mla_decode(q_all, kv, block_table, local_lens(seq_lens, rank, n), scale=scale, config=config)
+  # The local output is a partial merged again below: it stays in partial_dtype, not q's (maybe bf16) dtype.
+  o, lse = mla_ops.mla_decode(q_all, kv, block_table, local_lens(seq_lens, rank, n), scale=scale, config=config,
+                              out_dtype=config.partial_dtype)
   buf = _pack(o, lse, config.partial_dtype)
   batch, heads, width = buf.shape
   # Destination-major: block j of the heads goes to device j, which owns those heads.

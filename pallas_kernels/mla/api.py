@@ -44,8 +44,8 @@ def effective_num_splits(max_pages: int, num_splits: int) -> int:
   return _util.cdiv(max_pages, reference.pages_per_split(max_pages, num_splits))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "partial_dtype", "impl"))
-def _mla_decode(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, partial_dtype, impl):
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "partial_dtype", "impl", "out_dtype"))
+def _mla_decode(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, partial_dtype, impl, out_dtype):
   seq_lens = seq_lens.astype(jnp.int32)
   if impl == "xla":
     o_parts, lse_parts = reference.mla_decode_partials_reference(
@@ -55,11 +55,12 @@ def _mla_decode(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, pa
     o_parts, lse_parts = kernel.mla_decode_partials_mosaic(
         q_abs, kv_cache, block_table, seq_lens, scale=scale, num_splits=num_splits,
         partial_dtype=partial_dtype, interpret=impl == "interpret")
-  return merge_partials(o_parts, lse_parts, out_dtype=q_abs.dtype)
+  return merge_partials(o_parts, lse_parts, out_dtype=out_dtype)
 
 
 def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, seq_lens: jax.Array, *,
-               scale: float, config: MlaDecodeConfig | None = None) -> tuple[jax.Array, jax.Array]:
+               scale: float, config: MlaDecodeConfig | None = None,
+               out_dtype: jax.typing.DTypeLike | None = None) -> tuple[jax.Array, jax.Array]:
   """Absorbed MLA decode, split along the KV length.
 
   Each split of ``pages_per_split`` pages attends on its own (f32 online softmax), stores its normalised
@@ -74,19 +75,24 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
     seq_lens: ``[B]`` int32 tokens per sequence, in ``[0, max_pages * 64]`` (0 allowed).
     scale: softmax scale on ``q_abs . kv`` (required: ``192 ** -0.5`` for K3, not ``576 ** -0.5``).
     config: ``MlaDecodeConfig``.
+    out_dtype: dtype of ``o`` (f32/bf16/f16); None means q's dtype. A partial that is merged again later
+      (decode context parallelism) keeps ``config.partial_dtype`` here rather than rounding to q's dtype.
 
   Returns:
-    ``o [B, Hq, Dc]`` in q's dtype and ``lse [B, Hq]`` f32 (natural log); an empty sequence gives
+    ``o [B, Hq, Dc]`` in ``out_dtype`` and ``lse [B, Hq]`` f32 (natural log); an empty sequence gives
     ``o = 0``, ``lse = -inf``.
 
   Raises:
-    ValueError: malformed shapes, dtypes or (when concrete) ``seq_lens`` / used page ids out of range.
+    ValueError: malformed shapes, dtypes (``out_dtype`` too) or (when concrete) ``seq_lens`` / used page ids
+      out of range.
     NotImplementedError: the kernels with a q or cache dtype other than bf16.
   """
   config = config or MlaDecodeConfig()
   reference.validate_decode_inputs(q_abs, kv_cache, block_table, seq_lens, scale=scale,
                                    latent_dim=LATENT_DIM, page_size=PAGE_SIZE)
   _util.check_shape("q_abs", q_abs, (None, None, LATENT_DIM + ROPE_DIM))
+  out_dtype = _util.canonical_dtype("out_dtype", q_abs.dtype if out_dtype is None else out_dtype,
+                                    _util.FLOAT_DTYPES)
   if config.impl != "xla" and (q_abs.dtype != jnp.bfloat16 or kv_cache.dtype != jnp.bfloat16):
     raise NotImplementedError(f"mla_decode impl={config.impl!r} needs bf16 q_abs and kv_cache, got "
                               f"{jnp.dtype(q_abs.dtype).name} and {jnp.dtype(kv_cache.dtype).name}")
@@ -95,7 +101,7 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
   num_splits = config.num_splits or choose_num_splits(batch, num_heads, max_pages)
   return _mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=float(scale),
                      num_splits=effective_num_splits(max_pages, num_splits),
-                     partial_dtype=config.partial_dtype, impl=config.impl)
+                     partial_dtype=config.partial_dtype, impl=config.impl, out_dtype=out_dtype)
 
 
 def merge_partials(o_parts: jax.Array, lse_parts: jax.Array, *,
