@@ -450,15 +450,12 @@ class _Source:
     return self._whole[tuple(slice(a, b) for a, b in bounds)]
 
 
-def _padded_block(source: _Source, index: tuple, padded: tuple[int, ...], fill: float, dtype) -> np.ndarray:
-  """Block ``index`` of the padded parameter: real values in front, ``fill`` past the real size of each dim."""
+def _padded_block(source: _Source, index: tuple, padded: tuple[int, ...], name: str, dtype) -> np.ndarray:
+  """Block ``index`` of padded parameter ``name``: real values in front, ``sharding.pad_param``'s fill after."""
   real = source.rule.shape
   want = [idx.indices(p)[:2] for idx, p in zip(index, padded)]
   bounds = [(min(a, r), min(b, r)) for (a, b), r in zip(want, real)]
-  blk = source.block(bounds)
-  widths = [(0, (b - a) - (hi - lo)) for (a, b), (lo, hi) in zip(want, bounds)]
-  if any(w for _, w in widths):
-    blk = np.pad(blk, widths, constant_values=fill)
+  blk = sharding_lib.pad_param(name, source.block(bounds), [b - a for a, b in want])
   return np.ascontiguousarray(blk.astype(dtype))
 
 
@@ -542,12 +539,11 @@ def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, conf
       sharding_lib.check_divisible(".".join(map(str, path)), var.shape, names, mesh)
       target = NamedSharding(mesh, sharding_lib.spec(*names))
     source = _Source(by_path[path], prefix, mxfp4, bar)
-    fill = float(sharding_lib._PAD_FILL.get(path[-1], 0.0))
     dtype = np.dtype(var.dtype)
     var.set_value(jax.make_array_from_callback(
         tuple(var.shape), target,
-        lambda index, source=source, shape=tuple(var.shape), fill=fill, dtype=dtype:
-        _padded_block(source, index, shape, fill, dtype)))
+        lambda index, source=source, shape=tuple(var.shape), name=str(path[-1]), dtype=dtype:
+        _padded_block(source, index, shape, name, dtype)))
     bar.placed()
   return cfg, nnx.merge(graphdef, state)
 

@@ -272,12 +272,17 @@ def pad_param(name: str, x, shape: Sequence[int]) -> np.ndarray:
   The fill is zero, except ``-inf`` for ``e_score_correction_bias``: a dummy expert's selection score is
   then ``-inf`` and it never enters the top-k.
 
+  Returns:
+    The padded array in ``x``'s dtype (no copy when nothing grows).
+
   Raises:
     ValueError: ``shape`` has another rank or a smaller dim.
   """
   x = np.asarray(x)
   if len(shape) != x.ndim or any(t < s for s, t in zip(x.shape, shape)):
     raise ValueError(f"{name}: cannot pad shape {x.shape} to {tuple(shape)}")
+  if x.shape == tuple(shape):  # no copy: checkpoint blocks can be large
+    return x
   widths = [(0, t - s) for s, t in zip(x.shape, shape)]
   return np.pad(x, widths, constant_values=_PAD_FILL.get(name, 0))
 
@@ -534,7 +539,8 @@ class ModelStep:
       return fn.lower(self.state, *args).compile().as_text()
 
 
-def jit_model_step(model: nnx.Module, mesh: jax.sharding.Mesh, *, vocab_size: int | None = None) -> ModelStep:
+def jit_model_step(model: nnx.Module, mesh: jax.sharding.Mesh, *, vocab_size: int | None = None,
+                   compiler_options: dict[str, str | bool | int | float] | None = None) -> ModelStep:
   """The jitted sharded step of a model placed by ``shard_model``.
 
   Parameters keep their ``param_specs`` shardings, caches their ``cache_specs`` shardings (donated), and
@@ -544,6 +550,8 @@ def jit_model_step(model: nnx.Module, mesh: jax.sharding.Mesh, *, vocab_size: in
     model: a ``KimiK3Model`` from ``shard_model`` (padded for the mesh).
     mesh: the mesh it was placed on.
     vocab_size: the real vocabulary (logits past it, from padded rows, are dropped); default the model's.
+    compiler_options: XLA options for both compiles (``jax.jit``'s), e.g.
+      ``{"xla_backend_optimization_level": 0}``: CPU compiles several times faster, the same ops.
   """
   cfg = model.cfg
   vocab = cfg.vocab_size if vocab_size is None else vocab_size
@@ -570,9 +578,9 @@ def jit_model_step(model: nnx.Module, mesh: jax.sharding.Mesh, *, vocab_size: in
   return ModelStep(
       mesh=mesh, state=state,
       prefill_jit=jax.jit(prefill, in_shardings=(params, whole, whole, caches), out_shardings=(whole, caches),
-                          donate_argnums=3),
+                          donate_argnums=3, compiler_options=compiler_options),
       decode_jit=jax.jit(decode, in_shardings=(params, whole, caches), out_shardings=(whole, caches),
-                         donate_argnums=2))
+                         donate_argnums=2, compiler_options=compiler_options))
 
 
 _COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%\S+ = \(?([a-z0-9]+)\[([0-9,]*)\][^\n]*? "

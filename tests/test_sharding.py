@@ -102,6 +102,9 @@ def test_padding_plan_and_pad_param():
   np.testing.assert_array_equal(sharding.pad_param("kernel", w, (2, 5)), [[0, 1, 2, 0, 0], [3, 4, 5, 0, 0]])
   bias = sharding.pad_param("e_score_correction_bias", np.zeros(7, np.float32), (9,))
   assert bias.dtype == np.float32 and np.isneginf(bias[7:]).all() and (bias[:7] == 0).all()
+  assert sharding.pad_param("kernel", w, (2, 3)) is w  # nothing grows: no copy of a large checkpoint block
+  empty = sharding.pad_param("e_score_correction_bias", np.zeros(0, np.float32), (2,))  # a block of padding only
+  assert np.isneginf(empty).all() and empty.shape == (2,)
   with pytest.raises(ValueError, match=r"kernel: cannot pad shape \(2, 3\) to \(2, 2\)"):
     sharding.pad_param("kernel", w, (2, 2))
   with pytest.raises(ValueError, match="tp must be an int >= 1"):

@@ -1,6 +1,5 @@
 """The Kimi-K3 model sharded over 9 CPU devices (impl="xla"): parameter layout, padding, the jitted step."""
 
-import functools
 import math
 import re
 
@@ -11,10 +10,10 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-import k3jax.layers.kda
+from test_layers import fast_jit
+
 import k3jax.layers.mla
-import k3jax.layers.mlp
-from k3jax import cache as cache_lib, dcp, model as model_lib, sharding
+from k3jax import cache as cache_lib, model as model_lib, sharding
 from k3jax.config import KDA, PAGE_SIZE, preset
 
 M = sharding.MODEL
@@ -60,23 +59,6 @@ REPLICATED = re.compile(r"(norm|_res\.proj|q_a_proj|kv_a_proj_with_mqa|f_a_proj|
 def flat_specs(model):
   return {re.sub(r"^layers\.\d+\.", "", ".".join(map(str, path))): spec
           for path, spec in nnx.to_flat_state(sharding.param_specs(model))}
-
-
-@pytest.fixture
-def hooks():
-  """Routes the layers' op calls through the mesh-aware drop-ins (the hooks asked of the model's owner)."""
-  with pytest.MonkeyPatch.context() as mp:
-    for name in ("kda_prefill", "kda_decode", "short_conv_prefill", "short_conv_update"):
-      mp.setattr(k3jax.layers.kda, name, getattr(sharding, name))
-    mp.setattr(k3jax.layers.mla, "mla_decode", dcp.mla_decode)
-    mp.setattr(k3jax.layers.mla.MlaLayer, "_write", staticmethod(dcp.write_rows))
-
-    def experts_call(self, x, experts, weights):
-      return sharding.routed_experts(x, experts, weights, self.w1[...], self.w3[...], self.w2[...],
-                                     act=functools.partial(k3jax.layers.mlp.gated_act, self.cfg), dtype=self.cfg.dtype)
-
-    mp.setattr(k3jax.layers.mlp.Experts, "__call__", experts_call)
-    yield
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +138,10 @@ def test_model_without_the_dcp_hooks_is_refused(tiny, monkeypatch):
     step.prefill(jnp.zeros(4, jnp.int32), jnp.asarray([0, 1, 4], jnp.int32), cache)
 
 
+# CPU compiles at XLA backend optimisation level 0 (test_layers.fast_jit): several times faster, same ops.
+FAST = {"xla_backend_optimization_level": 0}
+
+
 def run_sharded_and_single(model, steps=2):
   """Packed prefill of a ragged batch then ``steps`` decodes, sharded over 9 devices and on one device."""
   cfg = model.cfg
@@ -166,16 +152,19 @@ def run_sharded_and_single(model, steps=2):
   steps_tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (steps, len(lens))).astype(np.int32))
   mesh = sharding.make_mesh(N)
   placed, _ = sharding.shard_model(model, mesh)
-  step = sharding.jit_model_step(placed, mesh, vocab_size=cfg.vocab_size)
+  step = sharding.jit_model_step(placed, mesh, vocab_size=cfg.vocab_size, compiler_options=FAST)
   cache = sharding.init_cache(placed.cfg, len(lens), 64, mesh, fill=0.0)
   first = cache
   sharded = [step.prefill(tokens, jnp.asarray(cu), cache)]
   assert all(x.is_deleted() for x in jax.tree.leaves(first))  # donated
   for t in steps_tokens:
     sharded.append(step.decode(t, sharded[-1][1]))
-  single = [model_lib.prefill(model, tokens, jnp.asarray(cu), cache_lib.init_cache(cfg, len(lens), 64))]
+  graph, state = nnx.split(model)
+  prefill = fast_jit(lambda st, tok, cu, cache: nnx.merge(graph, st).prefill(tok, cu, cache))
+  decode = fast_jit(lambda st, tok, cache: nnx.merge(graph, st).decode(tok, cache))
+  single = [prefill(state, tokens, jnp.asarray(cu), cache_lib.init_cache(cfg, len(lens), 64))]
   for t in steps_tokens:
-    single.append(model_lib.decode(model, t, single[-1][1]))
+    single.append(decode(state, t, single[-1][1]))
   hlo = {"prefill": step.compiled_text("prefill", tokens, jnp.asarray(cu), sharded[-1][1]),
          "decode": step.compiled_text("decode", steps_tokens[0], sharded[-1][1])}
   return sharded, single, placed, mesh, hlo
@@ -209,8 +198,7 @@ DTYPE_CASES = [(jnp.float32, jnp.float32, 2e-5, 4e-6), (jnp.bfloat16, jnp.bfloat
 
 
 @pytest.mark.parametrize("partial_dtype, state_dtype, atol, state_atol", DTYPE_CASES)
-def test_sharded_step_matches_single_device(tiny, hooks, partial_dtype, state_dtype, atol, state_atol):
-  del hooks
+def test_sharded_step_matches_single_device(tiny, partial_dtype, state_dtype, atol, state_atol):
   model = sharding.rebuild(tiny, tiny.cfg.replace(partial_dtype=partial_dtype, state_dtype=state_dtype))
   sharded, single, placed, mesh, hlo = run_sharded_and_single(model)
   vocab = tiny.cfg.vocab_size
