@@ -20,9 +20,14 @@ exponent of −inf before ``exp2``, so no factor ever overflows.
 L inside each 2s-block (``(P_s F_s)² = 0``), i.e. exact block forward substitution in five levels of
 64×64 matmuls, with no power series (whose intermediate powers cancel catastrophically).
 
-The cumulative sum over tokens is a matmul with a lower-triangular ones matrix; to keep it at f32 accuracy
-the gate is split into three bf16 parts (``g = g1 + g2 + g3`` exactly to 24 bits) and the three products
-accumulate in f32.
+The cumulative sum over tokens is a matmul with a lower-triangular ones matrix, and the anchored exponent
+``G_r − ν_b(r)`` a matmul with a ±1 matrix (exact, no per-row selection in registers); to keep both at f32
+accuracy the gate is split into three bf16 parts (``g = g1 + g2 + g3`` exactly to 24 bits) and the three
+products accumulate in f32.
+
+SMEM is reused across four phases of disjoint lifetimes (a ``RefUnion``); nothing may be read from a
+phase's buffers once the next phase has started writing (interpret mode does not alias the union, so
+such a read only fails on the GPU).
 """
 
 import functools
@@ -106,7 +111,7 @@ def split3(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_ref,
                qg_ref, kg_ref, wn_ref, u_ref, aqk_ref, gam_ref,
-               raw_q, raw_k, raw_v, bk_s, bv_s, qg_s, kg_s, uni, bar_g, bar_qkv, *,
+               raw_q, raw_k, raw_v, bk_s, bv_s, qg_s, kg_s, anc_s, uni, bar_g, bar_qkv, *,
                K: int, V: int, scale: float, lower_bound: float | None):
   # Register budget: one [C, K] f32 array is 64 registers per thread, so row-dependent factors stay
   # per-row vectors (2 registers) and column-dependent ones per-column vectors, broadcast where used.
@@ -154,23 +159,30 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
 
     G, G_anch = pl.run_scoped(cumsums, plgpu.ACC((C, K), f32), plgpu.ACC((C, K), f32))
 
-    # G rows are read back as per-column vectors (anchors, last row) from an f32 copy.
+    # G rows are read back as per-column vectors (anchors, last row) from an f32 copy; the anchors move to
+    # anc_s, outside the phase union, because the tiles phase overwrites g_pad's memory.
     g_pad, k_pad = ph_diag
     g_pad[pl.ds(SUB, C), :] = G
     plgpu.commit_smem()
     g_last = plgpu.load(g_pad.at[SUB + C - 1], layout=COLV, optimized=False)
+    for b in range(NSUB):
+      anc_s[b] = plgpu.load(g_pad.at[SUB + b * SUB + off], layout=COLV, optimized=False)
 
     plgpu.barrier_wait(bar_qkv.at[0])
     q = load_l2norm(raw_q, validf * scale)
     k = load_l2norm(raw_k, validf)
 
     r64, c64 = iota((C, C), 0), iota((C, C), 1)
+    # Constants get an explicit layout: unpinned splats make layout inference search exponentially.
+    zeros_cc = plgpu.layout_cast(jnp.zeros((C, C), f32), WG)
     if not bounded:
       # Diagonal 16x16 blocks pairwise: A[r, r-d] from row-shifted copies of k and G (zero rows on top).
-      zeros = jnp.zeros((SUB, K), f32)
-      k_pad[pl.ds(0, SUB), :] = zeros
-      g_pad[pl.ds(0, SUB), :] = zeros
+      zeros = plgpu.layout_cast(jnp.zeros((C, K), f32), WG)
+      k_pad[pl.ds(0, C), :] = zeros
+      plgpu.commit_smem()
       k_pad[pl.ds(SUB, C), :] = k
+      g_pad[pl.ds(0, SUB), :] = plgpu.load(k_pad.at[pl.ds(0, SUB)], layout=plgpu.Layout.WG_STRIDED((SUB, K), 1),
+                                            optimized=False)
       plgpu.commit_smem()
 
       def diag_step(d, carry):
@@ -183,10 +195,11 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
         l_d = jnp.where(hit, bcast_rows(jnp.sum(k * kdec, axis=1), (C, C)), l_d)
         return aqk_d, l_d
 
-      zero_cc = jnp.zeros((C, C), f32)
-      aqk_acc, l_acc = lax.fori_loop(0, SUB, diag_step, (zero_cc, zero_cc))
+      aqk_acc = l_acc = zeros_cc
+      for d in range(SUB):
+        aqk_acc, l_acc = diag_step(d, (aqk_acc, l_acc))
     else:
-      aqk_acc = l_acc = jnp.zeros((C, C), f32)
+      aqk_acc = l_acc = zeros_cc
     plgpu.commit_smem()  # every shifted-row read above is done before the aliased tiles are written
 
     # Tiles. Every factor is a pairwise-safe exponent (kda.md §4.3): 2^(G - G_anchor) bounded by ±58
@@ -202,7 +215,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     kg_s[...] = (k * jnp.exp2(bcast_cols(g_last, (C, K)) - G)).astype(bf16)
     blocks = range(NSUB) if bounded else range(1, NSUB)
     for b in blocks:
-      nu_b = plgpu.load(g_pad.at[SUB + b * SUB + off], layout=COLV, optimized=False)
+      nu_b = plgpu.load(anc_s.at[b], layout=COLV, optimized=False)
       cut = jnp.where(rowv < (b + 1 if bounded else b) * SUB, 0.0, -jnp.inf)
       ex = bcast_cols(nu_b, (C, K)) - G + bcast_rows(cut, (C, K))
       kb_s[b][...] = (k * jnp.exp2(ex)).astype(bf16)
@@ -213,8 +226,6 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     gam_ref[c, h] = jnp.exp2(g_last)
 
     # Block row b of Aqk and L from the keys of kb_s[b] (block rows are selected after the matmul).
-    blkv = rowv // SUB
-
     def block_products(acc_a, acc_l):
       plgpu.wgmma(acc_a, qt_s, kb_s[b].T)
       plgpu.wgmma(acc_l, kd_s, kb_s[b].T)
@@ -222,7 +233,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
 
     for b in blocks:
       aqk_b, l_b = pl.run_scoped(block_products, plgpu.ACC((C, C), f32), plgpu.ACC((C, C), f32))
-      sel = bcast_rows(jnp.where(blkv == b, 1.0, 0.0), (C, C)) > 0.5
+      sel = r64 // SUB == b
       aqk_acc = jnp.where(sel, aqk_b + aqk_acc, aqk_acc)
       l_acc = jnp.where(sel, l_b + l_acc, l_acc)
     aqk = jnp.where(c64 <= r64, aqk_acc, 0.0)
@@ -280,7 +291,7 @@ def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_t: jax
   ph_inv = (tiled((C, C)), tiled((C, C)), tiled((C, C)), tiled((C, C)), tiled((C, K)), tiled((C, V)))
   scratch = [
       plgpu.SMEM((C, K), q.dtype), plgpu.SMEM((C, K), k.dtype), plgpu.SMEM((C, V), v.dtype),
-      tiled((C, K)), tiled((C, V)), tiled((C, K)), tiled((C, K)),
+      tiled((C, K)), tiled((C, V)), tiled((C, K)), tiled((C, K)), plgpu.SMEM((NSUB, K), f32),
       # Gate/cumsum -> G rows (and the pairwise diagonal) -> tiles and Aqk/L -> inverse and W/U: the four
       # phases have disjoint lifetimes (each is separated from the next by a warpgroup barrier).
       plgpu.RefUnion(ph_gate, ph_diag, ph_tiles, ph_inv),
