@@ -49,7 +49,7 @@ def pages_per_device(seq_len: int, n: int, page_size: int = 64) -> int:
 
 
 def capacity(max_pages: int, n: int | None = None, page_size: int = 64) -> int:
-  """Tokens one sequence can hold in a DCP cache of ``max_pages`` block-table columns: ``n * max_pages * 64``.
+  """Tokens a sequence can hold in a DCP cache of ``max_pages`` table columns: ``n * max_pages * page_size``.
 
   Args:
     max_pages: block-table columns (local pages per sequence and device).
