@@ -288,7 +288,5 @@ def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_t: jax
       plgpu.Barrier(num_arrivals=1, num_barriers=1), plgpu.Barrier(num_arrivals=3, num_barriers=1),
   ]
   body = functools.partial(_prep_body, K=K, V=V, scale=scale, lower_bound=lower_bound)
-  # Approximate ex2/lg2/rsqrt (single MUFU instructions) instead of the exact library sequences.
-  return plgpu.kernel(body, out_type=out_type, grid=(S, H), grid_names=("c", "h"), scratch_types=scratch,
-                      compiler_params=plgpu.CompilerParams(approx_math=True))(
+  return plgpu.kernel(body, out_type=out_type, grid=(S, H), grid_names=("c", "h"), scratch_types=scratch)(
       chunk_tok, chunk_len, q, k, v, g_raw, beta_t, A_log, dt_bias)
