@@ -13,9 +13,6 @@ from pallas_kernels import _util
 
 TILE = 64  # one wgmma tile: M = N = K = 64 (one warpgroup, 128-byte swizzle for bf16)
 
-def _bf16_transforms():
-  # 64 bf16 = 128 bytes per row: the widest swizzle, which wgmma operands in SMEM need.
-  return (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(128))
 
 def _smoke_body(a_gmem, b_gmem, out_gmem, a_smem, b_smem, out_smem, barrier):
   plgpu.copy_gmem_to_smem(a_gmem, a_smem, barrier.at[0])
@@ -52,8 +49,8 @@ def smoke_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
       _smoke_body,
       out_type=jax.ShapeDtypeStruct((TILE, TILE), jnp.float32),
       scratch_types=(
-          plgpu.SMEM((TILE, TILE), jnp.bfloat16, transforms=_bf16_transforms()),
-          plgpu.SMEM((TILE, TILE), jnp.bfloat16, transforms=_bf16_transforms()),
+          plgpu.SMEM((TILE, TILE), jnp.bfloat16, transforms=_util.smem_transforms(jnp.bfloat16, TILE)),
+          plgpu.SMEM((TILE, TILE), jnp.bfloat16, transforms=_util.smem_transforms(jnp.bfloat16, TILE)),
           plgpu.SMEM((TILE, TILE), jnp.float32),
           plgpu.Barrier(num_barriers=2),
       ),

@@ -9,6 +9,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 Impl = Literal["xla", "pallas", "interpret"]
 IMPLS: tuple[str, ...] = ("xla", "pallas", "interpret")
@@ -78,3 +79,16 @@ def concrete(x) -> np.ndarray | None:
   if isinstance(x, jax.core.Tracer):
     return None
   return np.asarray(x)
+
+
+def smem_transforms(dtype, cols: int) -> tuple:
+  """SMEM tiling ``(8, swizzle / itemsize)`` + the widest swizzle dividing a row of ``cols`` elements.
+
+  That is a valid wgmma / TMA layout and keeps register loads free of bank conflicts; ``()`` when no swizzle
+  (128, 64 or 32 bytes) divides the row.
+  """
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = next((s for s in (128, 64, 32) if (cols * itemsize) % s == 0), None)
+  if swizzle is None:
+    return ()
+  return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)

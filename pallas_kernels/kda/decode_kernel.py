@@ -22,21 +22,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _interpret
+from pallas_kernels import _interpret, _util
 from pallas_kernels.kda.config import KdaConfig
 
 BLOCK_V = 64  # rows of a WGMMA-layout register tile: one warpgroup, 64 f32 registers per thread at K = 128
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
-
-
-def _smem_transforms(dtype, cols: int) -> tuple:
-  """Tiling + the widest swizzle that fits a row, so register loads of the tile avoid bank conflicts."""
-  row_bytes = cols * jnp.dtype(dtype).itemsize
-  swizzle = next((s for s in (128, 64, 32) if row_bytes % s == 0), None)
-  if swizzle is None:
-    return ()
-  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def _gate(x: jax.Array, rate: jax.Array, lower_bound: float | None) -> jax.Array:
@@ -137,7 +128,7 @@ def _launch(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool_ref, state_indices, n
           plgpu.SMEM((steps, kdim), g_raw.dtype),
           plgpu.SMEM((steps, BLOCK_V), v.dtype),
           plgpu.SMEM((kdim,), dt_bias.dtype),
-          plgpu.SMEM((BLOCK_V, kdim), state_dtype, transforms=_smem_transforms(state_dtype, kdim)),
+          plgpu.SMEM((BLOCK_V, kdim), state_dtype, transforms=_util.smem_transforms(state_dtype, kdim)),
           plgpu.SMEM((steps, BLOCK_V), q.dtype),
           plgpu.Barrier(num_barriers=6),
       ),

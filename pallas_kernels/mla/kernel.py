@@ -51,13 +51,6 @@ LN2 = math.log(2.0)
 INIT_MAX = -1e30  # finite: exp2(INIT_MAX - m) is 0 and never (-inf) - (-inf)
 
 
-def _transforms(dtype, cols: int) -> tuple:
-  """Tiling ``(8, swizzle / itemsize)`` + the widest swizzle dividing a row: a valid wgmma / TMA layout."""
-  itemsize = jnp.dtype(dtype).itemsize
-  swizzle = next(s for s in (128, 64, 32) if (cols * itemsize) % s == 0)
-  return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
-
-
 def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_smem, row_smem, lse_smem,
           q_bar, kv_bar, consumed_bar, p_ready_bar, p_free_bar, *, pps: int, out_rows: int, scale: float,
           smem_operands: bool):
@@ -220,8 +213,8 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
   out_rows = _util.cdiv(num_heads, 8) * 8  # TMA stores whole 8-row groups of the tiled staging buffer
   q_pad = jnp.pad(q_abs, ((0, 0), (0, head_blocks * ROWS - num_heads), (0, 0)))
   ring = plgpu.RefUnion(
-      plgpu.SMEM((STAGES, PAGE, DIM), kv_cache.dtype, transforms=_transforms(kv_cache.dtype, DIM)),
-      plgpu.SMEM((COMPUTE_WGS, ROWS, COLS), partial_dtype, transforms=_transforms(partial_dtype, COLS)))
+      plgpu.SMEM((STAGES, PAGE, DIM), kv_cache.dtype, transforms=_util.smem_transforms(kv_cache.dtype, DIM)),
+      plgpu.SMEM((COMPUTE_WGS, ROWS, COLS), partial_dtype, transforms=_util.smem_transforms(partial_dtype, COLS)))
   kernel = plgpu.kernel(
       functools.partial(_body, pps=pages_per_split(block_table.shape[1], num_splits), out_rows=out_rows,
                         scale=scale, smem_operands=smem_operands),
@@ -232,9 +225,9 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
       scratch_types=(
-          plgpu.SMEM((ROWS, dim), q_abs.dtype, transforms=_transforms(q_abs.dtype, dim)),
+          plgpu.SMEM((ROWS, dim), q_abs.dtype, transforms=_util.smem_transforms(q_abs.dtype, dim)),
           ring,
-          plgpu.SMEM((ROWS, PAGE), kv_cache.dtype, transforms=_transforms(kv_cache.dtype, PAGE)),
+          plgpu.SMEM((ROWS, PAGE), kv_cache.dtype, transforms=_util.smem_transforms(kv_cache.dtype, PAGE)),
           plgpu.SMEM((ROWS,), jnp.float32),
           plgpu.SMEM((ROWS,), jnp.float32),
           plgpu.Barrier(),
