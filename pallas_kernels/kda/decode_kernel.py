@@ -24,19 +24,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _interpret, _util
 from pallas_kernels.kda.config import KdaConfig
+from pallas_kernels.kda.kernel_math import L2NORM_EPS, gate
 
 BLOCK_V = 64  # rows of a WGMMA-layout register tile: one warpgroup, 64 f32 registers per thread at K = 128
-L2NORM_EPS = 1e-6
-SOFTPLUS_THRESHOLD = 20.0
-
-
-def _gate(x: jax.Array, rate: jax.Array, lower_bound: float | None) -> jax.Array:
-  """``g`` from ``x = g_raw + dt_bias`` (f32) and ``rate = exp(A_log[h])``: spec ``kda.md`` §2.2."""
-  if lower_bound is None:
-    # log(1 + e^x) instead of log1p: Mosaic GPU has no log1p; the absolute error stays ~1e-7.
-    soft = jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log(1.0 + jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
-    return -rate * soft
-  return lower_bound * jax.nn.sigmoid(rate * x)
 
 
 def _decode_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, slots_ref, accepted_ref,
@@ -76,7 +66,7 @@ def _decode_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, s
       v = plgpu.load(v_smem.at[t], layout=row, optimized=False).astype(jnp.float32)
       inv_k = lax.rsqrt(jnp.sum(kv * kv, axis=1) + L2NORM_EPS)
       inv_q = lax.rsqrt(jnp.sum(qv * qv, axis=1) + L2NORM_EPS)
-      s = s * along_v(jnp.exp(_gate(x, rate, lower_bound)))
+      s = s * along_v(jnp.exp(gate(x, rate, lower_bound)))
       u = betas[t] * (v - jnp.sum(s * kv, axis=1) * inv_k)
       s = s + along_k(u * inv_k) * kv
       if s_smem.dtype != jnp.float32:

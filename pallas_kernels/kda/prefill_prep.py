@@ -33,11 +33,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.kda.kernel_math import L2NORM_EPS, gate
+
 C = 64  # chunk
 SUB = 16  # sub-block of the safe anchoring
 NSUB = C // SUB
 LOG2E = 1.4426950408889634
-SOFTPLUS_THRESHOLD = 20.0
 
 WG = plgpu.Layout.WGMMA
 ROWV = WG.reduce(1)  # one value per row, broadcast along columns
@@ -90,16 +91,8 @@ def load_rows(ref, dtype=f32) -> jax.Array:
 def load_l2norm(ref, valid: jax.Array) -> jax.Array:
   """Row-wise L2 normalisation (eps 1e-6 inside the sqrt of the sum), rows past the chunk zeroed."""
   x = load_rows(ref)
-  inv = lax.rsqrt(jnp.sum(x * x, axis=1) + 1e-6)
+  inv = lax.rsqrt(jnp.sum(x * x, axis=1) + L2NORM_EPS)
   return jnp.where(valid, x * bcast_rows(inv, x.shape), 0.0)
-
-
-def gate(x: jax.Array, a: jax.Array, lower_bound: float | None) -> jax.Array:
-  """Gate activation of ``kda.md`` §2.2 on ``x = g_raw + dt_bias``; ``a = exp(A_log)``; natural log."""
-  if lower_bound is not None:
-    return lower_bound / (1.0 + jnp.exp(-a * x))
-  softplus = jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log(1.0 + jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
-  return -a * softplus
 
 
 def split3(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
