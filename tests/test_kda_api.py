@@ -255,8 +255,11 @@ PREFILL_ERRORS = [
     ("offset-zero", _set(checkpoint_offsets=i32(0, 64, 128)), r"got offset 0 for a sequence of length 64"),
     ("offset-past-end", _set(checkpoint_offsets=i32(128, 64, 128)), r"got offset 128 for a sequence of length 64"),
     ("ckslot-range", _set(checkpoint_slots=i32(12, -1, 99)), r"checkpoint_slots must be pool slots in \[-1, 16\)"),
-    ("dup-final", _set(state_indices=i32(3, 5, -1, 7, 7, 11)), r"written twice .*slots \[7\]"),
-    ("dup-final-ckpt", _set(checkpoint_slots=i32(12, -1, 11)), r"written twice .*slots \[11\]"),
+    ("dup-final", _set(state_indices=i32(3, 5, -1, 7, 7, 11)),
+     r"destination slots in state_indices and checkpoint_slots must be distinct \(-1 excepted\), "
+     r"got slots \[7\] written more than once"),
+    ("dup-final-ckpt", _set(checkpoint_slots=i32(12, -1, 11)),
+     r"destination slots in state_indices and checkpoint_slots must be distinct .*got slots \[11\] written"),
 ]
 
 
@@ -277,17 +280,22 @@ DECODE_ERRORS = [
      r"state_indices must have shape \(3,\), got \(3, 1\)"),
     (False, "indices-dtype", _map("state_indices", lambda x: x.astype(jnp.float32)), r"state_indices must have dtype"),
     (False, "indices-range", _set(state_indices=i32(0, 16, 1)), r"state_indices must be pool slots in \[-1, 16\)"),
-    (False, "accepted-unexpected", _set(num_accepted=i32(1, 1, 1)), r"num_accepted is only for the speculative form"),
-    (False, "dup", _set(state_indices=i32(4, -1, 4)), r"written twice .*slots \[4\]"),
+    (False, "accepted-unexpected", _set(num_accepted=i32(1, 1, 1)),
+     r"num_accepted is only for the speculative form \(q of shape \[N, 1 \+ S, \.\.\.\]\), "
+     r"got q of shape \(3, 2, 16\)"),
+    (False, "dup", _set(state_indices=i32(4, -1, 4)),
+     r"destination slots in state_indices must be distinct .*got slots \[4\] written more than once"),
     (True, "spec-indices-shape", _map("state_indices", lambda x: x[:, :2]),
      r"state_indices must have shape \(3, 3\), got \(3, 2\)"),
-    (True, "accepted-missing", _set(num_accepted=None), r"num_accepted \(\[N\] int32\) is required"),
+    (True, "accepted-missing", _set(num_accepted=None),
+     r"num_accepted \(\[N\] int32\) is required with the speculative form, got q of shape \(3, 3, 2, 16\)"),
     (True, "accepted-shape", _map("num_accepted", lambda x: x[:2]), r"num_accepted must have shape \(3,\)"),
     (True, "accepted-dtype", _map("num_accepted", lambda x: x.astype(jnp.float32)), r"num_accepted must have dtype"),
     (True, "accepted-low", _set(num_accepted=i32(0, 1, 1)),
      r"num_accepted must be in \[1, 1 \+ S\] = \[1, 3\], got values in \[0, 1\]"),
     (True, "accepted-high", _set(num_accepted=i32(1, 4, 1)), r"num_accepted must be in \[1, 1 \+ S\] = \[1, 3\]"),
-    (True, "spec-dup", _set(state_indices=i32([0, 1, 2], [3, 4, 1], [-1, -1, -1])), r"written twice .*slots \[1\]"),
+    (True, "spec-dup", _set(state_indices=i32([0, 1, 2], [3, 4, 1], [-1, -1, -1])),
+     r"destination slots in state_indices must be distinct .*got slots \[1\] written more"),
 ]
 
 

@@ -13,11 +13,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels import _util
-from pallas_kernels.kda import decode_kernel, prefill_kernel, reference
+from pallas_kernels.kda import checks, decode_kernel, prefill_kernel, reference
 from pallas_kernels.kda.config import KdaConfig
+
+# The kernels index with int32.
+_INDEX_DTYPES = (jnp.int32,)
 
 
 def _check_same(name: str, x, ref_name: str, ref) -> None:
@@ -51,51 +53,6 @@ def _check_inputs(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, config: 
     raise ValueError(f"state_pool must have config.state_dtype ({config.state_dtype.name}), "
                      f"got {jnp.dtype(state_pool.dtype).name}")
   return H, K, V, state_pool.shape[0]
-
-
-def _check_int(name: str, x, shape: tuple) -> None:
-  _util.check_shape(name, x, shape)
-  _util.check_dtype(name, x, (jnp.int32,))
-
-
-def _check_slot_range(name: str, slots: np.ndarray | None, P: int) -> None:
-  if slots is not None and slots.size and (slots.min() < -1 or slots.max() >= P):
-    raise ValueError(f"{name} must be pool slots in [-1, {P}) (P = state_pool.shape[0]), "
-                     f"got values in [{slots.min()}, {slots.max()}]")
-
-
-def _check_unique_writes(slots: list[np.ndarray]) -> None:
-  """Two writes to one slot would leave it to the scatter order which one wins: reject them."""
-  written = np.concatenate([s.reshape(-1) for s in slots])
-  written = written[written >= 0]
-  uniq, counts = np.unique(written, return_counts=True)
-  if (counts > 1).any():
-    raise ValueError(f"a destination pool slot is written twice (final, checkpoint or per-token states): "
-                     f"slots {uniq[counts > 1].tolist()}")
-
-
-def _check_cu_seqlens(cu: np.ndarray | None, T: int) -> None:
-  if cu is None:
-    return
-  if cu[0] != 0 or cu[-1] != T or (np.diff(cu) < 0).any():
-    raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T = {T}, got {cu.tolist()}")
-
-
-def _check_checkpoints(indptr: np.ndarray | None, offsets: np.ndarray | None, cu: np.ndarray | None,
-                       M: int, chunk_size: int) -> None:
-  if indptr is None:
-    return
-  if indptr[0] != 0 or indptr[-1] != M or (np.diff(indptr) < 0).any():
-    raise ValueError(f"checkpoint_indptr must be non-decreasing from 0 to M = {M} "
-                     f"(len(checkpoint_offsets)), got {indptr.tolist()}")
-  if offsets is None or cu is None:
-    return
-  lens = np.repeat(np.diff(cu), np.diff(indptr))
-  bad = (offsets % chunk_size != 0) | (offsets <= 0) | (offsets > lens)
-  if bad.any():
-    m = int(np.argmax(bad))
-    raise ValueError(f"checkpoint_offsets must be multiples of chunk_size ({chunk_size}) in (0, L_n], got "
-                     f"offset {offsets[m]} for a sequence of length {lens[m]} (checkpoint {m})")
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -153,37 +110,14 @@ def kda_prefill(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta
   """
   config = KdaConfig() if config is None else config
   H, K, V, P = _check_inputs(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, config, lead_ndim=1)
-  T = q.shape[0]
-  _util.check_shape("cu_seqlens", cu_seqlens, (None,))
-  if cu_seqlens.shape[0] < 2:
-    raise ValueError(f"cu_seqlens must have shape (N + 1,) with N >= 1, got {tuple(cu_seqlens.shape)}")
-  _util.check_dtype("cu_seqlens", cu_seqlens, (jnp.int32,))
-  N = cu_seqlens.shape[0] - 1
-  _check_int("state_indices", state_indices, (N,))
-  _util.check_shape("has_initial_state", has_initial_state, (N,))
-  _util.check_dtype("has_initial_state", has_initial_state, (jnp.bool_,))
-  given = [x is not None for x in (checkpoint_indptr, checkpoint_offsets, checkpoint_slots)]
-  if any(given) and not all(given):
-    raise ValueError("checkpoint_indptr, checkpoint_offsets and checkpoint_slots must be given together, got "
-                     f"indptr={given[0]}, offsets={given[1]}, slots={given[2]}")
-  if not all(given):
-    checkpoint_indptr = jnp.zeros((N + 1,), jnp.int32)
+  if not checks.check_prefill_indices(q.shape[0], P, "state_pool", cu_seqlens=cu_seqlens,
+                                      state_indices=state_indices, has_initial_state=has_initial_state,
+                                      checkpoint_indptr=checkpoint_indptr, checkpoint_offsets=checkpoint_offsets,
+                                      checkpoint_slots=checkpoint_slots, int_dtypes=_INDEX_DTYPES, min_seqs=1,
+                                      chunk_size=config.chunk_size):
+    checkpoint_indptr = jnp.zeros((cu_seqlens.shape[0],), jnp.int32)
     checkpoint_offsets = jnp.zeros((0,), jnp.int32)
     checkpoint_slots = jnp.zeros((0,), jnp.int32)
-  _check_int("checkpoint_indptr", checkpoint_indptr, (N + 1,))
-  _check_int("checkpoint_offsets", checkpoint_offsets, (None,))
-  M = checkpoint_offsets.shape[0]
-  _check_int("checkpoint_slots", checkpoint_slots, (M,))
-
-  cu = _util.concrete(cu_seqlens)
-  slots, ck_slots = _util.concrete(state_indices), _util.concrete(checkpoint_slots)
-  _check_cu_seqlens(cu, T)
-  _check_slot_range("state_indices", slots, P)
-  _check_checkpoints(_util.concrete(checkpoint_indptr), _util.concrete(checkpoint_offsets), cu, M,
-                     config.chunk_size)
-  _check_slot_range("checkpoint_slots", ck_slots, P)
-  if slots is not None and ck_slots is not None:
-    _check_unique_writes([slots, ck_slots])
 
   args = (q, k, v, g_raw, beta_raw, A_log, dt_bias, cu_seqlens, state_pool, state_indices, has_initial_state,
           checkpoint_indptr, checkpoint_offsets, checkpoint_slots)
@@ -223,29 +157,8 @@ def kda_decode(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_
     raise ValueError(f"q must have shape (N, H, K) or (N, 1 + S, H, K), got {tuple(q.shape)}")
   lead_ndim = q.ndim - 2
   H, K, V, P = _check_inputs(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, config, lead_ndim)
-  lead = tuple(q.shape[:lead_ndim])
-  _check_int("state_indices", state_indices, lead)
-  if lead_ndim == 1 and num_accepted is not None:
-    raise ValueError("num_accepted is only for the speculative form (q of shape (N, 1 + S, H, K)), got "
-                     f"q of shape {tuple(q.shape)}")
-  if lead_ndim == 2:
-    if num_accepted is None:
-      raise ValueError(f"num_accepted ([N] int32) is required with speculative q of shape {tuple(q.shape)}")
-    _check_int("num_accepted", num_accepted, lead[:1])
-
-  slots = _util.concrete(state_indices)
-  _check_slot_range("state_indices", slots, P)
-  accepted = None if num_accepted is None else _util.concrete(num_accepted)
-  if accepted is not None and accepted.size and (accepted.min() < 1 or accepted.max() > lead[1]):
-    raise ValueError(f"num_accepted must be in [1, 1 + S] = [1, {lead[1]}], "
-                     f"got values in [{accepted.min()}, {accepted.max()}]")
-  if slots is not None and (lead_ndim == 1 or accepted is not None):
-    if lead_ndim == 1:
-      written = slots
-    else:
-      # Rows whose read slot is -1 are padding and write nothing.
-      written = slots[slots[np.arange(lead[0]), accepted - 1] >= 0]
-    _check_unique_writes([written])
+  checks.check_decode_indices("q", q.shape, lead_ndim == 2, P, "state_pool", state_indices=state_indices,
+                              num_accepted=num_accepted, int_dtypes=_INDEX_DTYPES)
 
   args = (q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, state_indices, num_accepted)
   if config.impl == "xla":

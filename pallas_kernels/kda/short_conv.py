@@ -14,9 +14,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels import _util
+from pallas_kernels.kda import checks
 
 ACTIVATIONS = ("silu", None)
 
@@ -45,29 +45,6 @@ def _check_common(x, weight, conv_pool, activation, x_shapes: dict[int, str]) ->
   if activation not in ACTIVATIONS:
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
   return width
-
-
-def _check_slots(name: str, slots, num_slots: int) -> None:
-  _util.check_dtype(name, slots, _util.INT_DTYPES)
-  s = _util.concrete(slots)
-  if s is not None and s.size and (s.min() < -1 or s.max() >= num_slots):
-    raise ValueError(f"{name} must be in [-1, {num_slots}) (-1 = no slot), got values in "
-                     f"[{s.min()}, {s.max()}]")
-
-
-def _check_distinct_writes(written) -> None:
-  """Each destination slot is written at most once (else the result would depend on scatter order)."""
-  if any(w is None for _, w in written):
-    return
-  seen: dict[int, str] = {}
-  for name, w in written:
-    for s in np.asarray(w).ravel().tolist():
-      if s < 0:
-        continue
-      if s in seen:
-        raise ValueError(f"conv pool slot {s} is written twice ({seen[s]} and {name}); destination "
-                         "slots must be distinct")
-      seen[s] = name
 
 
 def _scatter_rows(pool: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
@@ -99,7 +76,7 @@ def short_conv_prefill(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array
       sequence leaves its slot unchanged.
     has_initial_state: ``[N]`` bool.
     checkpoint_indptr: ``[N + 1]`` int CSR row pointer (None: no checkpoints; the three go together).
-    checkpoint_offsets: ``[M]`` int, tokens from the start of sequence n, in ``[1, L_n]``: the ``W - 1``
+    checkpoint_offsets: ``[M]`` int, tokens from the start of sequence n, in ``(0, L_n]``: the ``W - 1``
       pre-conv rows before that offset (the conv state after ``offset`` tokens) are written.
     checkpoint_slots: ``[M]`` int destination slots (-1: skip).
     activation: ``"silu"`` or None.
@@ -113,48 +90,10 @@ def short_conv_prefill(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array
       slot would be written twice.
   """
   _check_common(x, weight, conv_pool, activation, {2: "[T, D]"})
-  num_tokens, num_slots = x.shape[0], conv_pool.shape[0]
-  _util.check_dtype("cu_seqlens", cu_seqlens, _util.INT_DTYPES)
-  if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 1:
-    raise ValueError(f"cu_seqlens must have shape (N + 1,), got {tuple(cu_seqlens.shape)}")
-  n = cu_seqlens.shape[0] - 1
-  cu = _util.concrete(cu_seqlens)
-  if cu is not None and (cu[0] != 0 or cu[-1] != num_tokens or np.any(np.diff(cu) < 0)):
-    raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={num_tokens}, "
-                     f"got {cu.tolist()}")
-  _util.check_shape("state_indices", state_indices, (n,))
-  _check_slots("state_indices", state_indices, num_slots)
-  _util.check_shape("has_initial_state", has_initial_state, (n,))
-  _util.check_dtype("has_initial_state", has_initial_state, (jnp.bool_,))
-
-  ckpt = (checkpoint_indptr, checkpoint_offsets, checkpoint_slots)
-  if any(c is not None for c in ckpt) and any(c is None for c in ckpt):
-    raise ValueError("checkpoint_indptr, checkpoint_offsets and checkpoint_slots go together: "
-                     f"got None for {[nm for nm, c in zip(('indptr', 'offsets', 'slots'), ckpt) if c is None]}")
-  if checkpoint_indptr is not None:
-    _util.check_dtype("checkpoint_indptr", checkpoint_indptr, _util.INT_DTYPES)
-    _util.check_shape("checkpoint_indptr", checkpoint_indptr, (n + 1,))
-    if checkpoint_offsets.ndim != 1:
-      raise ValueError(f"checkpoint_offsets must have shape (M,), got {tuple(checkpoint_offsets.shape)}")
-    m = checkpoint_offsets.shape[0]
-    _util.check_dtype("checkpoint_offsets", checkpoint_offsets, _util.INT_DTYPES)
-    _util.check_shape("checkpoint_slots", checkpoint_slots, (m,))
-    _check_slots("checkpoint_slots", checkpoint_slots, num_slots)
-    ip, off = _util.concrete(checkpoint_indptr), _util.concrete(checkpoint_offsets)
-    if ip is not None and (ip[0] != 0 or ip[-1] != m or np.any(np.diff(ip) < 0)):
-      raise ValueError(f"checkpoint_indptr must start at 0, be non-decreasing and end at M={m}, "
-                       f"got {ip.tolist()}")
-    if ip is not None and off is not None and cu is not None and m:
-      lens = np.repeat(np.diff(cu), np.diff(ip))
-      bad = (off < 1) | (off > lens)
-      if bad.any():
-        i = int(np.argmax(bad))
-        raise ValueError(f"checkpoint_offsets must be in [1, L_n] of their sequence: entry {i} is {off[i]} "
-                         f"for a sequence of length {lens[i]}")
-  _check_distinct_writes([("state_indices", _util.concrete(state_indices))]
-                         + ([("checkpoint_slots", _util.concrete(checkpoint_slots))]
-                            if checkpoint_slots is not None else []))
-
+  checks.check_prefill_indices(x.shape[0], conv_pool.shape[0], "conv_pool", cu_seqlens=cu_seqlens,
+                               state_indices=state_indices, has_initial_state=has_initial_state,
+                               checkpoint_indptr=checkpoint_indptr, checkpoint_offsets=checkpoint_offsets,
+                               checkpoint_slots=checkpoint_slots, int_dtypes=_util.INT_DTYPES)
   return _prefill(x, weight, cu_seqlens, conv_pool, state_indices, has_initial_state, checkpoint_indptr,
                   checkpoint_offsets, checkpoint_slots, activation=activation)
 
@@ -227,28 +166,11 @@ def short_conv_update(x: jax.Array, weight: jax.Array, *, conv_pool: jax.Array, 
   """
   speculative = x.ndim == 3
   _check_common(x, weight, conv_pool, activation, {2: "[N, D]", 3: "[N, 1 + S, D]"})
-  n, num_slots = x.shape[0], conv_pool.shape[0]
-  _util.check_shape("state_indices", state_indices, x.shape[:-1])
-  _check_slots("state_indices", state_indices, num_slots)
-  if speculative:
-    if num_accepted is None:
-      raise ValueError("num_accepted [N] is required with the speculative form (x of rank 3)")
-    _util.check_shape("num_accepted", num_accepted, (n,))
-    _util.check_dtype("num_accepted", num_accepted, _util.INT_DTYPES)
-    acc = _util.concrete(num_accepted)
-    if acc is not None and acc.size and (acc.min() < 1 or acc.max() > x.shape[1]):
-      raise ValueError(f"num_accepted must be in [1, {x.shape[1]}], got values in [{acc.min()}, {acc.max()}]")
-  else:
-    if num_accepted is not None:
-      raise ValueError("num_accepted is only valid with the speculative form (x of rank 3)")
+  checks.check_decode_indices("x", x.shape, speculative, conv_pool.shape[0], "conv_pool",
+                              state_indices=state_indices, num_accepted=num_accepted, int_dtypes=_util.INT_DTYPES)
+  if not speculative:
     x, state_indices = x[:, None], state_indices[:, None]
-    num_accepted = jnp.ones((n,), jnp.int32)
-  slots, accepted = _util.concrete(state_indices), _util.concrete(num_accepted)
-  if slots is not None and accepted is not None:
-    # Rows whose read slot is -1 are padding and write nothing.
-    live = slots[np.arange(n), accepted - 1] >= 0
-    _check_distinct_writes([("state_indices", slots[live])])
-
+    num_accepted = jnp.ones((x.shape[0],), jnp.int32)
   y, new_pool = _update(x, weight, conv_pool, state_indices, num_accepted, activation=activation)
   return (y if speculative else y[:, 0]), new_pool
 
