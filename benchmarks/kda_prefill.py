@@ -219,6 +219,8 @@ def main():
   parser.add_argument("--no-fla", action="store_true")
   parser.add_argument("--watchdog", type=float, default=500.0)
   parser.add_argument("--profile", action="store_true", help="only time the two stages separately")
+  parser.add_argument("--shapes", type=int, nargs="+", default=list(range(len(SHAPES))),
+                      help="indices into SHAPES, in the order to run them")
   args = parser.parse_args()
   faulthandler.dump_traceback_later(args.watchdog, exit=True)
   print(f"devices: {jax.devices()}  commit: {args.commit}", flush=True)
@@ -228,7 +230,7 @@ def main():
     print("rel RMSE of o vs impl='xla' (T=1000 varlen, H=4):", check_vs_xla(), flush=True)
     return 0
   results = []
-  for name, lens, H in SHAPES:
+  for name, lens, H in (SHAPES[i] for i in args.shapes):
     x = make_inputs(lens, H)
     T, N = int(sum(lens)), len(lens)
     t_ours, o = ours(x, lens, H)

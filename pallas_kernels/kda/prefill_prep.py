@@ -20,9 +20,14 @@ exponent of −inf before ``exp2``, so no factor ever overflows.
 L inside each 2s-block (``(P_s F_s)² = 0``), i.e. exact block forward substitution in five levels of
 64×64 matmuls, with no power series (whose intermediate powers cancel catastrophically).
 
-The cumulative sum over tokens is a matmul with a lower-triangular ones matrix; to keep it at f32 accuracy
-the gate is split into three bf16 parts (``g = g1 + g2 + g3`` exactly to 24 bits) and the three products
-accumulate in f32.
+The cumulative sum over tokens is a matmul with a lower-triangular ones matrix, and the anchored exponent
+``G_r − ν_b(r)`` a matmul with a ±1 matrix (exact, no per-row selection in registers); to keep both at f32
+accuracy the gate is split into three bf16 parts (``g = g1 + g2 + g3`` exactly to 24 bits) and the three
+products accumulate in f32.
+
+SMEM is reused across four phases of disjoint lifetimes (a ``RefUnion``); nothing may be read from a
+phase's buffers once the next phase has started writing (interpret mode does not alias the union, so
+such a read only fails on the GPU).
 """
 
 import functools
@@ -76,23 +81,16 @@ def matmul(pairs, shape: tuple[int, int]) -> jax.Array:
   return pl.run_scoped(body, plgpu.ACC(shape, f32))
 
 
-def per_block(vecs: list[jax.Array], blk: jax.Array) -> jax.Array:
-  """Row r takes column-vector ``vecs[r // 16]``: [NSUB] x [K] -> [C, K]."""
-  out = bcast_cols(vecs[-1], blk.shape)
-  for b in range(len(vecs) - 2, -1, -1):
-    out = jnp.where(blk == b, bcast_cols(vecs[b], blk.shape), out)
-  return out
-
-
 def load_rows(ref, dtype=f32) -> jax.Array:
   return plgpu.load(ref, layout=WG, optimized=False).astype(dtype)
 
 
-def load_l2norm(ref, valid: jax.Array) -> jax.Array:
-  """Row-wise L2 normalisation (eps 1e-6 inside the sqrt of the sum), rows past the chunk zeroed."""
+def load_l2norm(ref, row_factor: jax.Array) -> jax.Array:
+  """Row-wise L2 normalisation (eps 1e-6 inside the sqrt of the sum) times a per-row factor (a mask, a
+  scale); the raw rows are finite (real tokens or TMA zero fill), so a zero factor masks a row."""
   x = load_rows(ref)
-  inv = lax.rsqrt(jnp.sum(x * x, axis=1) + L2NORM_EPS)
-  return jnp.where(valid, x * bcast_rows(inv, x.shape), 0.0)
+  inv = lax.rsqrt(jnp.sum(x * x, axis=1) + L2NORM_EPS) * row_factor
+  return x * bcast_rows(inv, x.shape)
 
 
 def split3(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -106,9 +104,12 @@ def split3(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_ref,
                qg_ref, kg_ref, wn_ref, u_ref, aqk_ref, gam_ref,
-               raw_q, raw_k, raw_v, bk_s, bv_s, qg_s, kg_s, uni, bar_g, bar_qkv, *,
+               raw_q, raw_k, raw_v, bk_s, bv_s, qg_s, kg_s, anc_s, uni, bar_g, bar_qkv, *,
                K: int, V: int, scale: float, lower_bound: float | None):
+  # Register budget: one [C, K] f32 array is 64 registers per thread, so row-dependent factors stay
+  # per-row vectors (2 registers) and column-dependent ones per-column vectors, broadcast where used.
   bounded = lower_bound is not None
+  off = SUB // 2 if bounded else 0  # anchor row inside each 16-row block
   ph_gate, ph_diag, ph_tiles, ph_inv = uni
   c = lax.axis_index("c")
   h = lax.axis_index("h")
@@ -117,50 +118,58 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
 
   @pl.when(n > 0)
   def _():
-    raw_g, gsplit, tril = ph_gate
+    raw_g, gsplit, tril, anch = ph_gate
     plgpu.copy_gmem_to_smem(g_ref.at[pl.ds(t0, C), h], raw_g, bar_g.at[0])
     for src, dst in ((q_ref, raw_q), (k_ref, raw_k), (v_ref, raw_v)):
       plgpu.copy_gmem_to_smem(src.at[pl.ds(t0, C), h], dst, bar_qkv.at[0])
 
+    # Cumulative sums as matmuls: tril gives G[r] = sum_{s<=r} g[s]; anch gives the anchored exponent
+    # G[r] - G[a(r)] (a(r) = anchor row of r's block) exactly, as +-1 entries.
     r_cc, c_cc = iota((C, C), 0), iota((C, C), 1)
-    tril[...] = jnp.where(c_cc <= r_cc, 1.0, 0.0).astype(bf16)
-    row = iota((C, K), 0)
-    valid = row < n
-    blk = row // SUB
+    upto_r = jnp.where(c_cc <= r_cc, 1.0, 0.0)
+    tril[...] = upto_r.astype(bf16)
+    anch[...] = (upto_r - jnp.where(c_cc <= (r_cc // SUB) * SUB + off, 1.0, 0.0)).astype(bf16)
+    rowv = plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=ROWV)
+    validf = jnp.where(rowv < n, 1.0, 0.0)
     a = jnp.exp(alog_ref[h])
     dtb = plgpu.load(dtb_ref.at[h], layout=COLV, optimized=False)
     beta_raw = plgpu.load(b_ref.at[h, pl.ds(t0, C)], layout=ROWV, optimized=False)
-    beta = 1.0 / (1.0 + jnp.exp(-beta_raw))
+    beta = validf / (1.0 + jnp.exp(-beta_raw))
 
-    # Gate and its chunk-local cumulative sum (log2 units), rows past the chunk contribute 0.
+    # Gate (log2 units); rows past the chunk contribute 0 (their raw rows are finite: real tokens or
+    # TMA zero fill, so a multiply masks them).
     plgpu.barrier_wait(bar_g.at[0])
-    g = gate(load_rows(raw_g) + bcast_cols(dtb, (C, K)), a, lower_bound)
-    g = jnp.where(valid, g * LOG2E, 0.0)
+    g = gate(load_rows(raw_g) + bcast_cols(dtb, (C, K)), a, lower_bound) * bcast_rows(validf * LOG2E, (C, K))
     for dst, part in zip(gsplit, split3(g)):
       dst[...] = part
     plgpu.commit_smem()
-    G = matmul([(tril, part) for part in gsplit], (C, K))
 
-    # Anchor rows (and the last row) of G, as per-column vectors.
+    def cumsums(acc_g, acc_e):
+      for part in gsplit:
+        plgpu.wgmma(acc_g, tril, part)
+        plgpu.wgmma(acc_e, anch, part)
+      return acc_g[...], acc_e[...]
+
+    G, G_anch = pl.run_scoped(cumsums, plgpu.ACC((C, K), f32), plgpu.ACC((C, K), f32))
+
+    # G rows are read back as per-column vectors (anchors, last row) from an f32 copy; the anchors move to
+    # anc_s, outside the phase union, because the tiles phase overwrites g_pad's memory.
     g_pad, k_pad = ph_diag
     g_pad[pl.ds(SUB, C), :] = G
     plgpu.commit_smem()
-    off = SUB // 2 if bounded else 0
-    nu = [plgpu.load(g_pad.at[SUB + b * SUB + off], layout=COLV, optimized=False) for b in range(NSUB)]
     g_last = plgpu.load(g_pad.at[SUB + C - 1], layout=COLV, optimized=False)
-    nu_row = per_block(nu, blk)
+    for b in range(NSUB):
+      anc_s[b] = plgpu.load(g_pad.at[SUB + b * SUB + off], layout=COLV, optimized=False)
 
     plgpu.barrier_wait(bar_qkv.at[0])
-    q = load_l2norm(raw_q, valid) * scale
-    k = load_l2norm(raw_k, valid)
-    beta_ck = jnp.where(valid, bcast_rows(beta, (C, K)), 0.0)
+    q = load_l2norm(raw_q, validf * scale)
+    k = load_l2norm(raw_k, validf)
 
     r64, c64 = iota((C, C), 0), iota((C, C), 1)
+    zeros_cc = plgpu.layout_cast(jnp.zeros((C, C), f32), WG)  # pinned: a free splat layout widens the search
     if not bounded:
-      # Diagonal 16x16 blocks pairwise: A[r, r-d] from row-shifted copies of k and G (zero rows on top).
-      zeros = jnp.zeros((SUB, K), f32)
-      k_pad[pl.ds(0, SUB), :] = zeros
-      g_pad[pl.ds(0, SUB), :] = zeros
+      # Diagonal 16x16 blocks pairwise: A[r, r-d] from row-shifted copies of k and G. The SUB rows above
+      # the copies hold stale data: row r reads them only for r < d, a row `hit` never selects.
       k_pad[pl.ds(SUB, C), :] = k
       plgpu.commit_smem()
 
@@ -174,58 +183,52 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
         l_d = jnp.where(hit, bcast_rows(jnp.sum(k * kdec, axis=1), (C, C)), l_d)
         return aqk_d, l_d
 
-      zero_cc = jnp.zeros((C, C), f32)
-      aqk_acc, l_acc = lax.fori_loop(0, SUB, diag_step, (zero_cc, zero_cc))
+      aqk_acc, l_acc = lax.fori_loop(0, SUB, diag_step, (zeros_cc, zeros_cc))
     else:
-      aqk_acc = l_acc = jnp.zeros((C, C), f32)
+      aqk_acc = l_acc = zeros_cc
+    plgpu.commit_smem()  # every shifted-row read above is done before the aliased tiles are written
 
-    # Tiles. d_row = 2^(G - ν_row): the per-row anchored decay, shared by the query and key sides.
+    # Tiles. Every factor is a pairwise-safe exponent (kda.md §4.3): 2^(G - G_anchor) bounded by ±58
+    # (lower-bound gate) or <= 1 (softplus gate), 2^G, 2^(G_last - G) and the keys' 2^(ν_b - G) <= 2^58,
+    # with keys past block b cut to 2^-inf = 0 by a per-row -inf added to the exponent.
     qt_s, kd_s, kb_s = ph_tiles
-    plgpu.commit_smem()  # every G-row / shifted-row read above is done before the aliased tiles are written
-    d_row = jnp.exp2(G - nu_row)
-    if bounded:
-      # Bounded exponents everywhere: derive every factor from d_row, its inverse and per-block vectors.
-      kr = k * jnp.exp2(nu_row - G)  # k ⊙ 2^(ν_row − G), |exponent| <= 58
-      pw = [jnp.exp2(x) for x in nu]  # 2^ν_b <= 1
-      gamma_row = d_row * per_block(pw, blk)  # 2^G
-      kg = kr * per_block([jnp.exp2(g_last - x) for x in nu], blk)
-      for b in range(NSUB):
-        delta = per_block([jnp.exp2(nu[b] - x) for x in nu[:b + 1]], blk)  # rows past block b masked below
-        kb_s[b][...] = jnp.where(blk <= b, kr * delta, 0.0).astype(bf16)
-    else:
-      gamma_row = jnp.exp2(G)
-      kg = k * jnp.exp2(bcast_cols(g_last, (C, K)) - G)
-      for b in range(1, NSUB):
-        ex = jnp.where(row < b * SUB, bcast_cols(nu[b], (C, K)) - G, -jnp.inf)
-        kb_s[b][...] = (k * jnp.exp2(ex)).astype(bf16)
+    d_row = jnp.exp2(G_anch)
     qt_s[...] = (q * d_row).astype(bf16)
     kd_s[...] = (k * d_row).astype(bf16)
+    gamma_row = jnp.exp2(G)
     qg_s[...] = (q * gamma_row).astype(bf16)
-    kg_s[...] = kg.astype(bf16)
-    bk_s[...] = (beta_ck * k * gamma_row).astype(bf16)
-    beta_cv = jnp.where(iota((C, V), 0) < n, bcast_rows(beta, (C, V)), 0.0)
-    bv_s[...] = (beta_cv * load_rows(raw_v)).astype(bf16)
+    bk_s[...] = (k * gamma_row * bcast_rows(beta, (C, K))).astype(bf16)
+    kg_s[...] = (k * jnp.exp2(bcast_cols(g_last, (C, K)) - G)).astype(bf16)
+    blocks = range(NSUB) if bounded else range(1, NSUB)
+    for b in blocks:
+      nu_b = plgpu.load(anc_s.at[b], layout=COLV, optimized=False)
+      cut = jnp.where(rowv < (b + 1 if bounded else b) * SUB, 0.0, -jnp.inf)
+      ex = bcast_cols(nu_b, (C, K)) - G + bcast_rows(cut, (C, K))
+      kb_s[b][...] = (k * jnp.exp2(ex)).astype(bf16)
+    bv_s[...] = (load_rows(raw_v) * bcast_rows(beta, (C, V))).astype(bf16)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(qg_s, qg_ref.at[c, h])
     plgpu.copy_smem_to_gmem(kg_s, kg_ref.at[c, h])
     gam_ref[c, h] = jnp.exp2(g_last)
 
-    # Off-diagonal (and, bounded, diagonal) blocks: block row b uses the keys of kb_s[b].
-    blk_cc = r64 // SUB
-    for b in range(0 if bounded else 1, NSUB):
-      aqk_b = matmul([(qt_s, kb_s[b].T)], (C, C))
-      l_b = matmul([(kd_s, kb_s[b].T)], (C, C))
-      aqk_acc = jnp.where(blk_cc == b, aqk_b + aqk_acc, aqk_acc)
-      l_acc = jnp.where(blk_cc == b, l_b + l_acc, l_acc)
-    beta_cc = bcast_rows(beta, (C, C))
+    # Block row b of Aqk and L from the keys of kb_s[b] (block rows are selected after the matmul).
+    def block_products(acc_a, acc_l):
+      plgpu.wgmma(acc_a, qt_s, kb_s[b].T)
+      plgpu.wgmma(acc_l, kd_s, kb_s[b].T)
+      return acc_a[...], acc_l[...]
+
+    for b in blocks:
+      aqk_b, l_b = pl.run_scoped(block_products, plgpu.ACC((C, C), f32), plgpu.ACC((C, C), f32))
+      sel = r64 // SUB == b
+      aqk_acc = jnp.where(sel, aqk_b + aqk_acc, aqk_acc)
+      l_acc = jnp.where(sel, l_b + l_acc, l_acc)
     aqk = jnp.where(c64 <= r64, aqk_acc, 0.0)
-    lmat = jnp.where(c64 < r64, beta_cc * l_acc, 0.0)
+    lmat = jnp.where(c64 < r64, bcast_rows(beta, (C, C)) * l_acc, 0.0)
 
     # (I + L)^-1 by recursive block doubling.
     p_s, f_s, x_s, aqk_s, wn_s, u_s = ph_inv
     aqk_s[...] = aqk.astype(bf16)
-    eye = jnp.where(c64 == r64, 1.0, 0.0)
-    p = eye - jnp.where((r64 // 2 == c64 // 2), lmat, 0.0)
+    p = jnp.where(c64 == r64, 1.0, 0.0) - jnp.where((r64 // 2 == c64 // 2), lmat, 0.0)
     s = 2
     while s < C:
       f_s[...] = jnp.where((r64 // (2 * s) == c64 // (2 * s)) & (r64 // s != c64 // s), lmat, 0.0).astype(bf16)
@@ -268,18 +271,19 @@ def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_t: jax
   out_type = (jax.ShapeDtypeStruct((S, H, C, K), bf16), jax.ShapeDtypeStruct((S, H, C, K), bf16),
               jax.ShapeDtypeStruct((S, H, C, K), bf16), jax.ShapeDtypeStruct((S, H, C, V), bf16),
               jax.ShapeDtypeStruct((S, H, C, C), bf16), jax.ShapeDtypeStruct((S, H, K), f32))
-  ph_gate = (plgpu.SMEM((C, K), g_raw.dtype), [tiled((C, K)) for _ in range(3)], tiled((C, C)))
+  ph_gate = (plgpu.SMEM((C, K), g_raw.dtype), [tiled((C, K)) for _ in range(3)], tiled((C, C)), tiled((C, C)))
   ph_diag = (plgpu.SMEM((SUB + C, K), f32), plgpu.SMEM((SUB + C, K), f32) if not bounded else None)
   ph_tiles = (tiled((C, K)), tiled((C, K)), [tiled((C, K)) for _ in range(NSUB)])
   ph_inv = (tiled((C, C)), tiled((C, C)), tiled((C, C)), tiled((C, C)), tiled((C, K)), tiled((C, V)))
   scratch = [
       plgpu.SMEM((C, K), q.dtype), plgpu.SMEM((C, K), k.dtype), plgpu.SMEM((C, V), v.dtype),
-      tiled((C, K)), tiled((C, V)), tiled((C, K)), tiled((C, K)),
+      tiled((C, K)), tiled((C, V)), tiled((C, K)), tiled((C, K)), plgpu.SMEM((NSUB, K), f32),
       # Gate/cumsum -> G rows (and the pairwise diagonal) -> tiles and Aqk/L -> inverse and W/U: the four
       # phases have disjoint lifetimes (each is separated from the next by a warpgroup barrier).
       plgpu.RefUnion(ph_gate, ph_diag, ph_tiles, ph_inv),
       plgpu.Barrier(num_arrivals=1, num_barriers=1), plgpu.Barrier(num_arrivals=3, num_barriers=1),
   ]
   body = functools.partial(_prep_body, K=K, V=V, scale=scale, lower_bound=lower_bound)
-  return plgpu.kernel(body, out_type=out_type, grid=(S, H), grid_names=("c", "h"), scratch_types=scratch)(
+  return plgpu.kernel(body, out_type=out_type, grid=(S, H), grid_names=("c", "h"), scratch_types=scratch,
+                      compiler_params=plgpu.CompilerParams(approx_math=True))(
       chunk_tok, chunk_len, q, k, v, g_raw, beta_t, A_log, dt_bias)
