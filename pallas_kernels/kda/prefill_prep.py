@@ -154,7 +154,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
 
     # G rows are read back as per-column vectors (anchors, last row) from an f32 copy; the anchors move to
     # anc_s, outside the phase union, because the tiles phase overwrites g_pad's memory.
-    g_pad, k_pad = ph_diag
+    g_pad, k_pad = ph_diag.at[0], None if bounded else ph_diag.at[1]
     g_pad[pl.ds(SUB, C), :] = G
     plgpu.commit_smem()
     g_last = plgpu.load(g_pad.at[SUB + C - 1], layout=COLV, optimized=False)
@@ -272,7 +272,10 @@ def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_t: jax
               jax.ShapeDtypeStruct((S, H, C, K), bf16), jax.ShapeDtypeStruct((S, H, C, V), bf16),
               jax.ShapeDtypeStruct((S, H, C, C), bf16), jax.ShapeDtypeStruct((S, H, K), f32))
   ph_gate = (plgpu.SMEM((C, K), g_raw.dtype), [tiled((C, K)) for _ in range(3)], tiled((C, C)), tiled((C, C)))
-  ph_diag = (plgpu.SMEM((SUB + C, K), f32), plgpu.SMEM((SUB + C, K), f32) if not bounded else None)
+  # G rows and (pairwise diagonal only) k rows in one allocation: the row-vector reads of G pin it to a plain
+  # row-major layout; a separate k buffer would get a swizzled tiling from layout inference, which the
+  # row-shifted reads (offsets not a multiple of the tile) do not survive on the GPU.
+  ph_diag = plgpu.SMEM((1 if bounded else 2, SUB + C, K), f32)
   ph_tiles = (tiled((C, K)), tiled((C, K)), [tiled((C, K)) for _ in range(NSUB)])
   ph_inv = (tiled((C, C)), tiled((C, C)), tiled((C, C)), tiled((C, C)), tiled((C, K)), tiled((C, V)))
   scratch = [
