@@ -38,6 +38,18 @@ def test_presets_match_the_published_configs():
 
 
 @pytest.mark.parametrize("name", sorted(cfg_lib.PRESETS))
+def test_preset_overrides_replace_preset_fields(name):
+  """An override of a field the preset sets replaces it (no duplicate-keyword TypeError); the rest stays."""
+  base = cfg_lib.preset(name)
+  two = cfg_lib.preset(name, num_hidden_layers=2, layer_types=("kda", "mla"), first_k_dense_replace=0,
+                       num_experts=base.num_experts + 1)
+  assert (two.num_hidden_layers, two.layer_types, two.first_k_dense_replace) == (2, ("kda", "mla"), 0)
+  assert two.num_experts == base.num_experts + 1
+  assert two == dataclasses.replace(base, num_hidden_layers=2, layer_types=("kda", "mla"),
+                                    first_k_dense_replace=0, num_experts=base.num_experts + 1)
+
+
+@pytest.mark.parametrize("name", sorted(cfg_lib.PRESETS))
 @pytest.mark.parametrize("fmt", ["kimi_linear", "kimi_k3"])
 def test_hf_round_trip(name, fmt):
   c = cfg_lib.preset(name, impl="xla")
