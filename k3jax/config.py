@@ -414,19 +414,22 @@ def _pattern(num_layers: int, mla_1indexed: tuple[int, ...]) -> tuple[str, ...]:
   return tuple(MLA if i + 1 in mla_1indexed else KDA for i in range(num_layers))
 
 
+def _build(base: dict, overrides: dict) -> K3Config:
+  """A preset's fields with the caller's overrides replacing them (never a duplicate keyword)."""
+  return K3Config(**{**base, **overrides})
+
+
 def _kimi_linear_48b(**kw) -> K3Config:
-  base = dict(
+  return _build(dict(
       vocab_size=163840, hidden_size=2304, intermediate_size=9216, num_hidden_layers=27, rms_norm_eps=1e-5,
       hidden_act="silu", num_attention_heads=32, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
       qk_rope_head_dim=64, v_head_dim=128, kda_num_heads=32, kda_head_dim=128, short_conv_kernel_size=4,
       layer_types=_pattern(27, (4, 8, 12, 16, 20, 24, 27)), num_experts=256, num_experts_per_token=8,
-      num_shared_experts=1, moe_intermediate_size=1024, routed_scaling_factor=2.446, first_k_dense_replace=1)
-  base.update(kw)  # an override replaces a preset field instead of colliding with it
-  return K3Config(**base)
+      num_shared_experts=1, moe_intermediate_size=1024, routed_scaling_factor=2.446, first_k_dense_replace=1), kw)
 
 
 def _kimi_k3(**kw) -> K3Config:
-  base = dict(
+  return _build(dict(
       vocab_size=163840, hidden_size=7168, intermediate_size=33792, num_hidden_layers=93, rms_norm_eps=1e-5,
       hidden_act="situ", situ_beta=4.0, situ_linear_beta=25.0, num_attention_heads=96, q_lora_rank=1536,
       kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, mla_use_output_gate=True,
@@ -434,9 +437,7 @@ def _kimi_k3(**kw) -> K3Config:
       use_full_rank_gate=True, layer_types=_pattern(93, tuple(range(4, 92, 4)) + (92, 93)), num_experts=896,
       num_experts_per_token=16, num_shared_experts=2, moe_intermediate_size=3072,
       routed_expert_hidden_size=3584, latent_moe_use_norm=True, routed_scaling_factor=1.0,
-      first_k_dense_replace=1, attn_res_block_size=12)
-  base.update(kw)  # an override replaces a preset field instead of colliding with it
-  return K3Config(**base)
+      first_k_dense_replace=1, attn_res_block_size=12), kw)
 
 
 def _tiny(**kw) -> K3Config:
@@ -450,8 +451,7 @@ def _tiny(**kw) -> K3Config:
       layer_types=_pattern(6, (3, 5, 6)), num_experts=8, num_experts_per_token=2, num_shared_experts=1,
       moe_intermediate_size=32, routed_expert_hidden_size=48, latent_moe_use_norm=True,
       routed_scaling_factor=1.5, first_k_dense_replace=1, attn_res_block_size=2)
-  base.update(kw)
-  return K3Config(**base)
+  return _build(base, kw)
 
 
 def _tiny_linear(**kw) -> K3Config:

@@ -166,7 +166,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     k = load_l2norm(raw_k, validf)
 
     r64, c64 = iota((C, C), 0), iota((C, C), 1)
-    zeros_cc = plgpu.layout_cast(jnp.zeros((C, C), f32), WG)  # pinned: a free splat layout widens the search
+    zeros_cc = plgpu.layout_cast(jnp.zeros((C, C), f32), WG)  # the accumulators' layout, explicit
     if not bounded:
       # Diagonal 16x16 blocks pairwise: A[r, r-d] from row-shifted copies of k and G. The SUB rows above
       # the copies hold stale data: row r reads them only for r < d, a row `hit` never selects.
