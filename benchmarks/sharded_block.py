@@ -16,12 +16,23 @@ One run = one mesh (all visible devices, or the first ``--devices n``):
 Parameters come from the model's own initialisers, jitted with the parameter shardings as outputs (threefry
 is partitionable, so the values do not depend on the mesh), then padded like ``k3jax.sharding.pad_model``:
 every device count runs the same weights, prompts, cache and decode tokens, and ``--save`` / ``--compare``
-check the logits across device counts. ``--compare`` takes the run's sizes from the reference.
+check the logits across device counts. ``--compare`` takes the run's sizes (and ``--dtype``) from the reference.
 
-Memory: the routed experts dominate (2 layers x E x 3 x 3584 x 3072 bf16 = 132 MB per expert). Without
-``--experts`` a GPU run compiles the step for K3's 896 experts without allocating it, reads the compiled
-memory analysis (arguments + outputs + temporaries per device) and takes the largest multiple of 16 experts
-that fits ``bytes_limit``; the table prints the count used.
+Equality across device counts: ``--dtype bfloat16`` (default; the preset's dtypes, what a server runs) is the
+timing mode. Its logits are not a sharp equality check: the sharded run reduces in other orders, bf16
+activations turn that into ~1e-3 relative noise, and a random-init router choosing 16 of 32 experts has
+near-ties that this noise flips; a token with one flipped expert moves its logits by their own size.
+``--dtype float32`` (f32 parameters, activations, caches, states and partials; matmuls at full f32 precision,
+``--impl xla``) shrinks the noise to ~1e-6, so flips are ~1000x rarer and the tolerance is tight
+(``TOLERANCES``). Besides the pass/fail number (the largest |diff| over all saved logits / the largest
+reference logit), ``--compare`` reports per-token numbers (``rel`` = a token row's largest |diff| / its
+largest reference logit: median, 99th percentile, max, count above the tolerance): a failure in a few tokens
+points to routing flips, one in every token to a bug.
+
+Memory: the routed experts dominate (2 layers x E x 3 x 3584 x 3072 bf16 = 132 MB per expert, twice that in
+f32). Without ``--experts`` a GPU run compiles the step for K3's 896 experts without allocating it, reads the
+compiled memory analysis (arguments + outputs + temporaries per device) and takes the largest multiple of 16
+experts that fits ``bytes_limit``; the table prints the count used.
 
 On GPU the script sets, before JAX starts, ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`` (unless set) and, with
 ``--cudnn-ragged-dot`` (default on), ``--xla_gpu_experimental_use_ragged_dot_fusion=true``: without it XLA
@@ -30,6 +41,10 @@ rewrites each expert ``ragged_dot`` into a dense dot over all experts (E times t
 
 Usage::
 
+  # equality check: float32 (XLA kernels) on 1 GPU, then on 2 GPUs against it
+  PYTHONPATH=. python3 benchmarks/sharded_block.py --dtype float32 --devices 1 --save ref1_f32.npz --json sb.jsonl
+  PYTHONPATH=. python3 benchmarks/sharded_block.py --devices 2 --compare ref1_f32.npz --json sb.jsonl
+  # timing (and a loose check): bfloat16
   PYTHONPATH=. python3 benchmarks/sharded_block.py --devices 1 --save ref1.npz --json sb.jsonl
   PYTHONPATH=. python3 benchmarks/sharded_block.py --devices 2 --compare ref1.npz --json sb.jsonl
   python benchmarks/sharded_block.py --tiny   # the tiny model on 9 CPU devices, < 1 minute
@@ -38,6 +53,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
 import json
@@ -56,20 +72,27 @@ import k3jax
 from k3jax import dcp, demo, sharding
 from k3jax.cache import KdaState, ModelCache
 
-# Relative to the reference's largest logit. The sharded run does the same ops in other reduction orders
-# (row-parallel all-reduces, the DCP merge of bf16 partials, expert-parallel psums); rounded to bf16
-# activations that moves logits by ~1% (the demo measures 0.7% over 6 tiny layers). A token whose 16th and
-# 17th router scores lie within that rounding may swap one of its 16 experts (~1/16 of its routed output);
-# that stays well below 5%. A token on the wrong device, a lost partial or a selected dummy expert changes
-# logits by their own size.
-TOLERANCE = 0.05
+# Per --dtype, relative to the reference's largest logit. The sharded run does the same ops in other reduction
+# orders (row-parallel all-reduces, the DCP merge of partials, expert-parallel psums). A token on the wrong
+# device, a lost partial or a selected dummy expert changes logits by their own size in either dtype.
+# bfloat16: rounded to bf16 activations the reorderings move logits by ~1% (the demo measures 0.7% over 6 tiny
+# layers). A token whose 16th and 17th router scores lie within that rounding may swap one of its 16 experts;
+# 5% was meant to cover that, but K3-width runs with 32 experts on 1 vs 2 GPUs differed by 15% (suspected
+# flips): in bf16 the bound is a smoke test, and the per-token numbers tell flips from bugs.
+# float32: the reorderings move logits by ~1e-6 relative (2^-24 per rounding, grown over sums of thousands of
+# terms and two layers), ~1000x less than bf16, so router near-ties flip ~1000x more rarely. The reference
+# stores float16 logits, rounded by up to 2^-11 = 4.9e-4 of each logit: 1e-3 is twice that storage error, far
+# above the f32 noise and far below any real error.
+TOLERANCES = {"bfloat16": 0.05, "float32": 1e-3}
 EXPERT_MULTIPLE = 16  # auto-fitted expert counts divide by 1, 2, 4, 8 and 16 devices: no dummy experts
 PREFILL_ROWS = 4  # prefill logit rows saved per sequence (evenly spaced, the last one included)
 HOST_INIT_BYTES = 2 * 2 ** 30  # larger models are initialised on the devices (init_model)
 MEMORY_MARGIN = 0.03  # of bytes_limit, kept free when fitting the experts (fragmentation, cuDNN workspaces)
 GIB = 2 ** 30
-RUN_FIELDS = ("tiny", "experts", "seqs", "prompt_len", "prefill_batch", "context", "decode_steps", "warmup",
+RUN_FIELDS = ("tiny", "dtype", "experts", "seqs", "prompt_len", "prefill_batch", "context", "decode_steps", "warmup",
               "seed")
+# Config fields set to float32 by --dtype float32: every runtime field but the kernel backend.
+F32_FIELDS = tuple(f for f in k3jax.config._RUNTIME_FIELDS if f != "impl")
 
 
 def _log(msg: str) -> None:
@@ -77,8 +100,14 @@ def _log(msg: str) -> None:
 
 
 def block_config(args: argparse.Namespace) -> k3jax.K3Config:
-  """The 2-layer block: layer 0 KDA, layer 1 MLA, both MoE (``first_k_dense_replace=0``)."""
+  """The 2-layer block: layer 0 KDA, layer 1 MLA, both MoE (``first_k_dense_replace=0``), in ``args.dtype``.
+
+  ``bfloat16`` keeps the preset's dtypes (bf16 compute and storage, f32 KDA state); ``float32`` sets every
+  dtype field (``F32_FIELDS``) to f32.
+  """
   common = dict(num_hidden_layers=2, layer_types=("kda", "mla"), first_k_dense_replace=0, impl=args.impl)
+  if args.dtype == "float32":
+    common.update(dict.fromkeys(F32_FIELDS, jnp.float32))
   if args.tiny:
     # K = 64: the Mosaic GPU KDA kernels take K in {64, 128}, so --tiny also runs them on a Hopper GPU.
     common["kda_head_dim"] = 64
@@ -289,7 +318,7 @@ def run(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Namespace,
       devices=n, platform=mesh.devices.flat[0].platform, mesh=", ".join(f"{k}={v}" for k, v in mesh.shape.items()),
       padding=demo._fmt_padding(plan), impl=cfg.impl, **{f: getattr(args, f) for f in RUN_FIELDS},
       num_experts=cfg.num_experts, top_k=cfg.num_experts_per_token, hidden_size=cfg.hidden_size,
-      layer_types=list(cfg.layer_types), dtype=cfg.dtype.name, prefill_tokens=seqs * plen,
+      layer_types=list(cfg.layer_types), prefill_tokens=seqs * plen,
       prefill_compile_s=prefill_compile_s, prefill_ms=prefill_s * 1e3, prefill_tok_s=seqs * plen / prefill_s,
       decode_compile_s=decode_compile_s, decode_ms=decode_s * 1e3, decode_tok_s=seqs / decode_s,
       peak_gib=None if peak is None else peak / GIB,
@@ -297,10 +326,44 @@ def run(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Namespace,
   return Output(row=row, prefill_logits=np.concatenate(kept), decode_logits=np.stack(decoded))
 
 
+def token_stats(logits: np.ndarray, ref: np.ndarray, tol: float) -> dict:
+  """Per-token agreement: ``rel`` = a token row's largest |logit - reference| / its largest |reference logit|.
+
+  Args:
+    logits: ``[..., vocab]`` float, one token per row (every index but the last).
+    ref: the reference, same shape.
+    tol: the tolerance ``tokens_above_tol`` counts against.
+
+  Returns:
+    ``token_rel_median``, ``token_rel_p99``, ``token_rel_max`` (floats) and ``tokens_above_tol``, ``tokens``
+    (ints); a row with an all-zero reference and any difference has ``rel = inf``, a NaN row counts as above.
+  """
+  vocab = ref.shape[-1]
+  diff = np.abs(logits - ref).reshape(-1, vocab).max(-1).astype(np.float64)
+  scale = np.abs(ref).reshape(-1, vocab).max(-1).astype(np.float64)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    rel = np.where(diff == 0, 0.0, diff / scale)
+  # "higher": the p99 is one token's value (no interpolation, which turns inf into nan).
+  return dict(token_rel_median=float(np.median(rel)), token_rel_p99=float(np.percentile(rel, 99, method="higher")),
+              token_rel_max=float(rel.max()), tokens_above_tol=int(np.sum(~(rel <= tol))), tokens=int(rel.size))
+
+
 def compare(out: Output, ref_path: str) -> None:
-  """Adds ``max_rel_diff`` (max |logit - reference| / max |reference logit|), ``ok`` and scaling to ``out.row``."""
+  """Adds the comparison with the reference and the scaling to ``out.row``.
+
+  ``max_rel_diff`` (max |logit - reference| / max |reference logit| over prefill and decode) against
+  ``TOLERANCES[dtype]`` decides ``ok``; ``{prefill,decode}_rel_diff`` are the same per phase, and
+  ``{prefill,decode}_{token_rel_median,token_rel_p99,token_rel_max,tokens_above_tol,tokens}`` the per-token
+  diagnostics of ``token_stats``.
+
+  Raises:
+    ValueError: the logits' shapes or the run's dtype differ from the reference's.
+  """
   with np.load(ref_path) as ref:
     ref_run = json.loads(str(ref["run"]))
+    if out.row["dtype"] != ref_run["dtype"]:
+      raise ValueError(f"--compare: this run's dtype is {out.row['dtype']!r}, the reference {ref_path} ran "
+                       f"{ref_run['dtype']!r} (the check needs the same dtype on both sides)")
     pairs = [(out.prefill_logits, ref["prefill_logits"]), (out.decode_logits, ref["decode_logits"])]
     for (a, b), name in zip(pairs, ("prefill", "decode")):
       if a.shape != b.shape:
@@ -308,10 +371,12 @@ def compare(out: Output, ref_path: str) -> None:
     pairs = [(a, b.astype(np.float32)) for a, b in pairs]
     scale = max(float(np.abs(b).max()) for _, b in pairs)
     diffs = [float(np.abs(a - b).max()) / scale for a, b in pairs]
-  row = out.row
+  row, tol = out.row, TOLERANCES[out.row["dtype"]]
   row.update(reference=ref_path, reference_devices=ref_run["devices"], prefill_rel_diff=diffs[0],
-             decode_rel_diff=diffs[1], max_rel_diff=max(diffs), tolerance=TOLERANCE,
-             ok=bool(np.isfinite(max(diffs)) and max(diffs) <= TOLERANCE))
+             decode_rel_diff=diffs[1], max_rel_diff=max(diffs), tolerance=tol,
+             ok=bool(np.isfinite(max(diffs)) and max(diffs) <= tol))
+  for (a, b), phase in zip(pairs, ("prefill", "decode")):
+    row.update({f"{phase}_{k}": v for k, v in token_stats(a, b, tol).items()})
   ratio = row["devices"] / ref_run["devices"]
   for phase in ("prefill", "decode"):
     speedup = ref_run[f"{phase}_ms"] / row[f"{phase}_ms"]
@@ -337,6 +402,10 @@ def print_table(row: dict) -> None:
           f"(scaling efficiency {row['prefill_scaling_efficiency']:.0%}), decode x{row['decode_speedup']:.2f} "
           f"(scaling efficiency {row['decode_scaling_efficiency']:.0%}); prefill rel diff "
           f"{row['prefill_rel_diff']:.2e}, decode rel diff {row['decode_rel_diff']:.2e}", flush=True)
+    print("per token (its largest |diff| / its largest reference logit): " + "; ".join(
+        f"{p} median {row[p + '_token_rel_median']:.2e}, p99 {row[p + '_token_rel_p99']:.2e}, max "
+        f"{row[p + '_token_rel_max']:.2e}, {row[p + '_tokens_above_tol']} of {row[p + '_tokens']} above tol"
+        for p in ("prefill", "decode")), flush=True)
   if row["platform"] == "cpu":
     print("(the CPU devices share the host's cores: times show overheads, not a speed-up)", flush=True)
 
@@ -348,7 +417,10 @@ def _parser() -> argparse.ArgumentParser:
       help="the tiny preset on 9 CPU devices (JAX_NUM_CPU_DEVICES overrides), 3 x 16 prompts, context 64")
   add("--devices", type=int, default=None, help="devices of the mesh: the first n (default: all)")
   add("--impl", choices=("xla", "pallas", "interpret"), default=None,
-      help="kernel backend (default: pallas on a Hopper GPU, xla elsewhere)")
+      help="kernel backend (default: pallas on a Hopper GPU, xla elsewhere; float32: xla only)")
+  add("--dtype", choices=tuple(TOLERANCES), default=None,
+      help="bfloat16 (default: the preset's dtypes; timing) or float32 (every dtype f32, full-precision matmuls: "
+           "the equality check across device counts); see the module docstring")
   add("--experts", type=int, default=None,
       help="routed experts (default: the preset's; K3 on GPU: the largest multiple of 16 <= 896 that fits)")
   add("--seqs", type=int, default=None, help="sequences N (default 8; tiny 3)")
@@ -370,8 +442,10 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
-_DEFAULTS = {False: dict(seqs=8, prompt_len=4096, prefill_batch=1, context=32768, decode_steps=8, warmup=1, seed=0),
-             True: dict(seqs=3, prompt_len=16, prefill_batch=None, context=64, decode_steps=3, warmup=1, seed=0)}
+_DEFAULTS = {False: dict(dtype="bfloat16", seqs=8, prompt_len=4096, prefill_batch=1, context=32768, decode_steps=8,
+                         warmup=1, seed=0),
+             True: dict(dtype="bfloat16", seqs=3, prompt_len=16, prefill_batch=None, context=64, decode_steps=3,
+                        warmup=1, seed=0)}
 
 
 def _resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -396,11 +470,14 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
                        f"got {getattr(args, field)}")
   if args.warmup < 1:
     raise ValueError(f"--warmup must be >= 1 (the first call compiles), got {args.warmup}")
+  if args.dtype == "float32" and args.impl not in (None, "xla"):
+    raise NotImplementedError(f"--dtype float32 runs --impl xla only (the Pallas MLA decode kernel takes bf16 "
+                              f"queries and cache), got --impl {args.impl}")
   return args
 
 
 def main(argv: list[str] | None = None) -> int:
-  """Runs the benchmark; returns the exit status (1 when ``--compare`` finds a difference above TOLERANCE)."""
+  """Runs the benchmark; returns the exit status (1 when ``--compare`` finds a difference above the tolerance)."""
   args = _resolve(_parser().parse_args(argv))
   # Before JAX starts its backends (no effect once they run, e.g. under pytest).
   if args.tiny:
@@ -412,15 +489,18 @@ def main(argv: list[str] | None = None) -> int:
                                  " --xla_gpu_experimental_use_ragged_dot_fusion=true").strip()
   if args.watchdog > 0:
     faulthandler.dump_traceback_later(args.watchdog, repeat=True)
+  # float32 dots default to TF32 on Ampere and later GPUs (10-bit mantissa): bf16-like noise again.
+  precision = jax.default_matmul_precision("float32") if args.dtype == "float32" else contextlib.nullcontext()
   try:
-    return _main(args)
+    with precision:
+      return _main(args)
   finally:
     faulthandler.cancel_dump_traceback_later()
 
 
 def _main(args: argparse.Namespace) -> int:
   from pallas_kernels import _util
-  args.impl = args.impl or _util.default_impl()
+  args.impl = args.impl or ("xla" if args.dtype == "float32" else _util.default_impl())
   mesh = sharding.make_mesh(args.devices)
   platform = mesh.devices.flat[0].platform
   # CPU: -O0 compiles several times faster and runs the same ops (the tiny run is compile-bound).
@@ -444,7 +524,8 @@ def _main(args: argparse.Namespace) -> int:
     compare(out, args.compare)
   print_table(out.row)
   if args.save:
-    # float16 (2^-11 relative, far below TOLERANCE) keeps a K3 reference at ~34 MB, small enough to carry.
+    # float16 (rounding <= 2^-11 relative, half the f32 tolerance) keeps a K3 reference at ~34 MB, small enough
+    # to carry (float32: 68 MB).
     np.savez(args.save, prefill_logits=out.prefill_logits.astype(np.float16),
              decode_logits=out.decode_logits.astype(np.float16), run=json.dumps(out.row))
     _log(f"saved the reference to {args.save}")
