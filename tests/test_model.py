@@ -297,8 +297,10 @@ def test_bad_inputs_raise():
   cache = r.cache()
   with pytest.raises(ValueError, match="cu_seqlens must have shape"):
     r.model.prefill(jnp.zeros(4, jnp.int32), jnp.asarray([0, 4], jnp.int32), cache)
-  with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+  with pytest.raises(ValueError, match=r"cu_seqlens must be non-decreasing from 0 to T = 4, got \[0, 3, 2, 4\]"):
     r.model.prefill(jnp.zeros(4, jnp.int32), jnp.asarray([0, 3, 2, 4], jnp.int32), cache)
+  with pytest.raises(ValueError, match=r"cu_seqlens must be non-decreasing from 0 to T = 4, got \[0, 4, 4, 3\]"):
+    r.model.prefill(jnp.zeros(4, jnp.int32), jnp.asarray([0, 4, 4, 3], jnp.int32), cache)
   with pytest.raises(ValueError, match="cache capacity 128 "):
     r.model.prefill(jnp.zeros(130, jnp.int32), jnp.asarray([0, 130, 130, 130], jnp.int32), cache)
   # On a mesh the same block table addresses a DCP cache: 2 local pages on each of 9 devices.
