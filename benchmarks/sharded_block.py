@@ -92,7 +92,7 @@ GIB = 2 ** 30
 RUN_FIELDS = ("tiny", "dtype", "experts", "seqs", "prompt_len", "prefill_batch", "context", "decode_steps", "warmup",
               "seed")
 # Config fields set to float32 by --dtype float32: every runtime field but the kernel backend.
-F32_FIELDS = tuple(f for f in k3jax.config._RUNTIME_FIELDS if f != "impl")
+F32_FIELDS = tuple(f for f in k3jax.config.RUNTIME_FIELDS if f != "impl")
 
 
 def _log(msg: str) -> None:
@@ -122,7 +122,7 @@ def init_model(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, seed: int,
 
   Up to ``HOST_INIT_BYTES`` of parameters: exactly that (the initialisers draw on the host). Larger: the
   initialisers run under ``jax.jit`` (``jax.random``, partitionable threefry) with the parameter shardings
-  as outputs, each parameter padded as ``sharding.pad_param`` pads it, so K3's 125 GB never pass through
+  as outputs, each parameter padded by ``sharding.pad_param``, so K3's 125 GB never pass through
   the host or one device. Either way the real entries do not depend on the mesh.
   """
   abstract = nnx.eval_shape(lambda: k3jax.KimiK3Model(cfg, rngs=nnx.Rngs(seed)))
@@ -134,9 +134,7 @@ def init_model(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, seed: int,
   shapes = {path: var.shape for path, var in nnx.to_flat_state(target)}
 
   def pad(path, var):
-    x = var.get_value()
-    return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shapes[path])],
-                   constant_values=sharding._PAD_FILL.get(str(path[-1]), 0))
+    return sharding.pad_param(str(path[-1]), var.get_value(), shapes[path])
 
   init = jax.jit(lambda: nnx.map_state(pad, nnx.state(k3jax.KimiK3Model(cfg, rngs=nnx.Rngs(seed)))),
                  out_shardings=sharding.tree_shardings(mesh, sharding.param_specs(abstract)),
@@ -278,7 +276,7 @@ def run(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Namespace,
   for first in range(0, seqs, batch):
     lens = np.zeros(seqs, np.int64)
     lens[first:first + batch] = plen
-    calls.append((jax.device_put(prompts[first:first + batch].reshape(-1), whole), demo._cu(lens)))
+    calls.append((jax.device_put(prompts[first:first + batch].reshape(-1), whole), demo.packed_cu_seqlens(lens)))
   positions = prefill_positions(plen)
   cache = sharding.init_cache(model.cfg, seqs, plen, mesh)
   kept, times = [], []
@@ -304,7 +302,7 @@ def run(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Namespace,
   cache = context_cache(model.cfg, cfg, mesh, seqs, args.context, args.context + total_steps, args.seed + 1)
   decoded, times = [], []
   for s in range(total_steps):
-    (logits, cache), dt = demo._timed(step.decode, jax.device_put(feed[s], whole), cache)
+    (logits, cache), dt = demo.timed(step.decode, jax.device_put(feed[s], whole), cache)
     decoded.append(np.asarray(logits))
     times.append(dt)
     if s < args.warmup or s == total_steps - 1:
@@ -316,13 +314,13 @@ def run(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Namespace,
   peak = max(s["peak_bytes_in_use"] for s in stats) if all(stats) else None
   row = dict(
       devices=n, platform=mesh.devices.flat[0].platform, mesh=", ".join(f"{k}={v}" for k, v in mesh.shape.items()),
-      padding=demo._fmt_padding(plan), impl=cfg.impl, **{f: getattr(args, f) for f in RUN_FIELDS},
+      padding=demo.fmt_padding(plan), impl=cfg.impl, **{f: getattr(args, f) for f in RUN_FIELDS},
       num_experts=cfg.num_experts, top_k=cfg.num_experts_per_token, hidden_size=cfg.hidden_size,
       layer_types=list(cfg.layer_types), prefill_tokens=seqs * plen,
       prefill_compile_s=prefill_compile_s, prefill_ms=prefill_s * 1e3, prefill_tok_s=seqs * plen / prefill_s,
       decode_compile_s=decode_compile_s, decode_ms=decode_s * 1e3, decode_tok_s=seqs / decode_s,
       peak_gib=None if peak is None else peak / GIB,
-      params_cache_gib=demo._bytes_per_device(step.state, cache) / GIB)
+      params_cache_gib=demo.bytes_per_device(step.state, cache) / GIB)
   return Output(row=row, prefill_logits=np.concatenate(kept), decode_logits=np.stack(decoded))
 
 

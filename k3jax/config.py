@@ -225,9 +225,9 @@ class K3Config:
         path = os.path.join(path, "config.json")
       with open(path) as f:
         raw = json.load(f)
-    bad_runtime = sorted(set(runtime) - set(_RUNTIME_FIELDS))
+    bad_runtime = sorted(set(runtime) - set(RUNTIME_FIELDS))
     if bad_runtime:
-      raise ValueError(f"from_hf runtime keyword arguments must be in {sorted(_RUNTIME_FIELDS)}, got {bad_runtime}")
+      raise ValueError(f"from_hf runtime keyword arguments must be in {sorted(RUNTIME_FIELDS)}, got {bad_runtime}")
     model_type = raw.get("model_type")
     if model_type == "kimi_k3":
       _reject_unknown("config.json (kimi_k3)", raw, _K3_TOP_KEYS)
@@ -292,7 +292,8 @@ class K3Config:
             "tie_word_embeddings": self.tie_word_embeddings}
 
 
-_RUNTIME_FIELDS = ("dtype", "param_dtype", "state_dtype", "partial_dtype", "cache_dtype", "conv_dtype", "impl")
+# Fields that choose storage dtypes and the kernel backend, not the architecture (from_hf keywords).
+RUNTIME_FIELDS = ("dtype", "param_dtype", "state_dtype", "partial_dtype", "cache_dtype", "conv_dtype", "impl")
 
 # Keys that describe the checkpoint or serving (not the math of the text model): accepted and ignored.
 _INFO_KEYS = frozenset({

@@ -14,6 +14,7 @@ difference and the bytes of parameters and cache per device.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import dataclasses
 import os
 import sys
@@ -85,13 +86,15 @@ class Run:
   bytes_per_device: int
 
 
-def _timed(fn, *args):
+def timed(fn: Callable, *args) -> tuple:
+  """``(fn(*args), seconds)``, waiting for the result."""
   t0 = time.perf_counter()
   out = jax.block_until_ready(fn(*args))
   return out, time.perf_counter() - t0
 
 
-def _cu(lens) -> jax.Array:
+def packed_cu_seqlens(lens: list[int]) -> jax.Array:
+  """``cu_seqlens [N + 1]`` int32 of sequences of these lengths packed back to back."""
   return jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
 
 
@@ -107,7 +110,8 @@ def _progress(label: str, done: int, total: int, note: str) -> None:
   sys.stderr.flush()
 
 
-def _bytes_per_device(*trees) -> int:
+def bytes_per_device(*trees) -> int:
+  """Bytes that the arrays in ``trees`` occupy on their first device (their shard there, or the whole array)."""
   return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(trees))
 
 
@@ -125,14 +129,14 @@ def generate(model: k3jax.KimiK3Model, mesh: jax.sharding.Mesh, prompts: list[np
   placed, plan = sharding.shard_model(model, mesh)
   step = sharding.jit_model_step(placed, mesh, vocab_size=cfg.vocab_size)
   fresh = lambda: sharding.init_cache(placed.cfg, n, max(PROMPT_LENS) + DECODE_STEPS, mesh)
-  tokens, cu = jnp.asarray(np.concatenate(prompts)), _cu([len(p) for p in prompts])
+  tokens, cu = jnp.asarray(np.concatenate(prompts)), packed_cu_seqlens([len(p) for p in prompts])
   total = DECODE_STEPS + 2
   t_start = time.perf_counter()
   # The first call compiles; the second, on a fresh cache, is timed. The first decode step compiles too.
   _progress(label, 0, total, "compiling prefill")
-  _, compile_s = _timed(step.prefill, tokens, cu, fresh())
+  _, compile_s = timed(step.prefill, tokens, cu, fresh())
   _progress(label, 1, total, "prefill")
-  (logits, cache), prefill_s = _timed(step.prefill, tokens, cu, fresh())
+  (logits, cache), prefill_s = timed(step.prefill, tokens, cu, fresh())
   _progress(label, 2, total, "compiling decode")
   logits = np.asarray(logits)
   out, fed, greedy, times = [logits], [], [], []
@@ -140,7 +144,7 @@ def generate(model: k3jax.KimiK3Model, mesh: jax.sharding.Mesh, prompts: list[np
   for s in range(DECODE_STEPS):
     greedy.append(choice)
     fed.append(choice if feed is None else feed[:, s])
-    (logits, cache), dt = _timed(step.decode, jnp.asarray(fed[-1]), cache)
+    (logits, cache), dt = timed(step.decode, jnp.asarray(fed[-1]), cache)
     out.append(np.asarray(logits))
     times.append(dt)
     compile_s += dt if s == 0 else 0.0
@@ -149,7 +153,7 @@ def generate(model: k3jax.KimiK3Model, mesh: jax.sharding.Mesh, prompts: list[np
     _progress(label, 3 + s, total, f"done in {time.perf_counter() - t_start:.0f} s" if last else "decode")
   return Run(mesh=mesh, plan=plan, cfg=placed.cfg, step=step, logits=out, fed=np.stack(fed, 1),
              greedy=np.stack(greedy, 1), prefill_s=prefill_s, decode_s=float(np.median(times[1:])),
-             compile_s=compile_s, bytes_per_device=_bytes_per_device(step.state, cache))
+             compile_s=compile_s, bytes_per_device=bytes_per_device(step.state, cache))
 
 
 def consistency(run: Run, prompts: list[np.ndarray]) -> tuple[float, float]:
@@ -161,7 +165,7 @@ def consistency(run: Run, prompts: list[np.ndarray]) -> tuple[float, float]:
   full = [np.concatenate([prompts[i], run.fed[i]]) for i in range(n)]
   lens = [len(f) for f in full]
   cache = sharding.init_cache(run.cfg, n, max(lens), run.mesh)
-  logits, _ = run.step.prefill(jnp.asarray(np.concatenate(full)), _cu(lens), cache)
+  logits, _ = run.step.prefill(jnp.asarray(np.concatenate(full)), packed_cu_seqlens(lens), cache)
   logits = np.asarray(logits)
   starts = np.concatenate([[0], np.cumsum(lens)])
   diff = max(np.abs(logits[starts[i] + len(prompts[i]) + s] - run.logits[1 + s][i]).max()
@@ -169,7 +173,8 @@ def consistency(run: Run, prompts: list[np.ndarray]) -> tuple[float, float]:
   return float(diff), float(np.abs(logits).max())
 
 
-def _fmt_padding(plan: sharding.PaddingPlan) -> str:
+def fmt_padding(plan: sharding.PaddingPlan) -> str:
+  """The padding a plan applies, e.g. ``"num_attention_heads 4->9, ..."`` (``"none"``)."""
   return ", ".join(f"{field} {r}->{p}" for field, (r, p) in plan.applied.items()) or "none"
 
 
@@ -180,7 +185,7 @@ def _print_table(single: Run, sharded: Run, diff: str, agree: str) -> None:
   rows = [
       ("devices", *(f"{sharding.mesh_size(r.mesh)} {platform}" for r in runs)),
       ("mesh", *(", ".join(f"{k}={v}" for k, v in r.mesh.shape.items()) for r in runs)),
-      ("padding applied", *(_fmt_padding(r.plan) for r in runs)),
+      ("padding applied", *(fmt_padding(r.plan) for r in runs)),
       ("prefill tokens/s", *(f"{sum(PROMPT_LENS) / r.prefill_s:,.0f}" for r in runs)),
       ("decode tokens/s", *(f"{len(PROMPT_LENS) / r.decode_s:,.0f}" for r in runs)),
       ("first prefill + decode", *(f"{r.compile_s:.1f} s (compile)" for r in runs)),

@@ -266,25 +266,27 @@ class PaddingPlan:
     return cfg.replace(**{f: p for f, _, p in self.dims})
 
 
-def pad_param(name: str, x, shape: Sequence[int]) -> np.ndarray:
-  """Parameter ``name``'s value ``x`` padded at the end of each dim to ``shape`` (on the host).
+def pad_param(name: str, x, shape: Sequence[int]) -> np.ndarray | jax.Array:
+  """Parameter ``name``'s value ``x`` padded at the end of each dim to ``shape``.
 
   The fill is zero, except ``-inf`` for ``e_score_correction_bias``: a dummy expert's selection score is
-  then ``-inf`` and it never enters the top-k.
+  then ``-inf`` and it never enters the top-k. A JAX array (also a traced one, inside ``jax.jit``) is padded
+  where it lives; anything else on the host with NumPy.
 
   Returns:
-    The padded array in ``x``'s dtype (no copy when nothing grows).
+    The padded array in ``x``'s dtype and array library (no copy when nothing grows).
 
   Raises:
     ValueError: ``shape`` has another rank or a smaller dim.
   """
-  x = np.asarray(x)
+  xp = jnp if isinstance(x, jax.Array) else np
+  x = xp.asarray(x)
   if len(shape) != x.ndim or any(t < s for s, t in zip(x.shape, shape)):
     raise ValueError(f"{name}: cannot pad shape {x.shape} to {tuple(shape)}")
   if x.shape == tuple(shape):  # no copy: checkpoint blocks can be large
     return x
   widths = [(0, t - s) for s, t in zip(x.shape, shape)]
-  return np.pad(x, widths, constant_values=_PAD_FILL.get(name, 0))
+  return xp.pad(x, widths, constant_values=_PAD_FILL.get(name, 0))
 
 
 def rebuild(model: nnx.Module, cfg) -> nnx.Module:

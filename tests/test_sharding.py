@@ -105,6 +105,10 @@ def test_padding_plan_and_pad_param():
   assert sharding.pad_param("kernel", w, (2, 3)) is w  # nothing grows: no copy of a large checkpoint block
   empty = sharding.pad_param("e_score_correction_bias", np.zeros(0, np.float32), (2,))  # a block of padding only
   assert np.isneginf(empty).all() and empty.shape == (2,)
+  # JAX arrays, traced ones too, are padded as JAX arrays (no host round trip; usable inside jax.jit).
+  on_device = jax.jit(lambda b: sharding.pad_param("e_score_correction_bias", b, (9,)))(jnp.ones(7, jnp.bfloat16))
+  assert isinstance(on_device, jax.Array) and on_device.dtype == jnp.bfloat16 and on_device.shape == (9,)
+  np.testing.assert_array_equal(np.asarray(on_device, np.float32), [1] * 7 + [-np.inf] * 2)
   with pytest.raises(ValueError, match=r"kernel: cannot pad shape \(2, 3\) to \(2, 2\)"):
     sharding.pad_param("kernel", w, (2, 2))
   with pytest.raises(ValueError, match="tp must be an int >= 1"):
