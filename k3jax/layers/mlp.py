@@ -1,7 +1,9 @@
 """Dense gated MLP and the Kimi MoE block (sigmoid router, bias for selection only, latent experts).
 
-Routed experts run as three ``jax.lax.ragged_dot`` calls over the token copies sorted by expert
-(``k3jax.sharding.routed_experts``: expert parallel on a mesh, all experts in place without one).
+Routed experts run as three grouped matmuls over the token copies sorted by expert
+(``k3jax.sharding.routed_experts``: expert parallel on a mesh, all experts in place without one):
+``jax.lax.ragged_dot``, or the Hopper kernel ``ragged_dot_mgpu`` for large bf16 prefills under
+``impl="pallas"`` (``k3jax.sharding.grouped_matmul_backend``).
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ class Experts(nnx.Module):
       ``[T, De]`` f32.
     """
     return sharding.routed_experts(x, experts, weights, self.w1[...], self.w3[...], self.w2[...],
-                                   act=functools.partial(gated_act, self.cfg), dtype=self.cfg.dtype)
+                                   act=functools.partial(gated_act, self.cfg), dtype=self.cfg.dtype,
+                                   impl=self.cfg.impl)
 
 
 class MoE(nnx.Module):
