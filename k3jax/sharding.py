@@ -517,11 +517,26 @@ def _grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, back
   return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
 
 
-def _experts_on(x, experts, weights, w1, w3, w2, *, first, act, dtype, backend, interpret):
+# Under expert parallelism each device computes the copies routed to its experts: ``rows / shards`` of the
+# ``rows = T * k`` copies when routing is balanced. The Hopper kernel walks every row tile of its (static)
+# operand, so a device first tries a static share of ``EP_ROW_HEADROOM * rows / shards`` rows (rounded up to
+# whole row tiles) and falls back, at run time, to all rows when more copies came its way: never a dropped copy.
+EP_ROW_HEADROOM = 1.25
+
+
+def share_rows(rows: int, shards: int, block: int) -> int:
+  """Rows of one device's static share (see ``EP_ROW_HEADROOM``): a multiple of ``block``, at most ``rows``."""
+  share = math.ceil(rows * EP_ROW_HEADROOM / shards)
+  return min(rows, -(-share // block) * block)
+
+
+def _experts_on(x, experts, weights, w1, w3, w2, *, first, act, dtype, backend, interpret, shards=1):
   """The token copies routed to experts ``[first, first + E_local)`` through them, weighted; ``[T, De]`` f32.
 
   Copies routed elsewhere sort after the last group, so the grouped matmuls do not compute them; their rows
-  (zero, or garbage from the Hopper kernel) are replaced by zeros before the scatter-add mixes rows.
+  (zero, or garbage from the Hopper kernel) are replaced by zeros before the scatter-add mixes rows. With
+  the Hopper kernel on ``shards > 1`` devices, the first ``share_rows`` sorted rows run when the local copies
+  fit there (the usual case), all rows otherwise.
   """
   t, k = experts.shape
   num_local = w1.shape[0]
@@ -529,17 +544,25 @@ def _experts_on(x, experts, weights, w1, w3, w2, *, first, act, dtype, backend, 
   mine = (local >= 0) & (local < num_local)
   group = jnp.where(mine, local, num_local)
   order = jnp.argsort(group, stable=True)
-  token = order // k
   group_sizes = jnp.bincount(group, length=num_local + 1)[:num_local].astype(jnp.int32)
-  xs = x.astype(dtype)[token]
   matmul = functools.partial(_grouped_matmul, group_sizes=group_sizes, backend=backend)
-  with _interpret.interpret_mode(interpret):
-    gate, up = matmul(xs, w1.astype(dtype)), matmul(xs, w3.astype(dtype))
-    h = act(gate.astype(jnp.float32), up.astype(jnp.float32)).astype(dtype)
-    y = matmul(h, w2.astype(dtype)).astype(jnp.float32)
-  # A select, not a product with the mask: 0 * NaN would carry a garbage row into the sum.
-  y = jnp.where(mine[order][:, None], y * weights.reshape(-1)[order][:, None], 0.0)
-  return jnp.zeros((t, x.shape[-1]), jnp.float32).at[token].add(y)
+
+  def first_rows(rows):
+    copy = order[:rows]
+    token = copy // k
+    xs = x.astype(dtype)[token]
+    with _interpret.interpret_mode(interpret):
+      gate, up = matmul(xs, w1.astype(dtype)), matmul(xs, w3.astype(dtype))
+      h = act(gate.astype(jnp.float32), up.astype(jnp.float32)).astype(dtype)
+      y = matmul(h, w2.astype(dtype)).astype(jnp.float32)
+    # A select, not a product with the mask: 0 * NaN would carry a garbage row into the sum.
+    y = jnp.where(mine[copy][:, None], y * weights.reshape(-1)[copy][:, None], 0.0)
+    return jnp.zeros((t, x.shape[-1]), jnp.float32).at[token].add(y)
+
+  share = share_rows(t * k, shards, MGPU_BLOCKS["block_m"])
+  if backend != "mgpu" or share == t * k:
+    return first_rows(t * k)
+  return jax.lax.cond(group_sizes.sum() <= share, lambda: first_rows(share), lambda: first_rows(t * k))
 
 
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w1: jax.Array, w3: jax.Array,
@@ -557,9 +580,9 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w1: jax
   and summed in f32. ``"mgpu"``: the kernel writes ``dtype``, so gate and up are rounded to ``dtype`` before
   the (f32) activation, and each copy's down output ``y`` is rounded to ``dtype`` before the f32 weighting and
   sum: two more roundings per copy (relative <= 2^-9 each in bf16), not accumulated over the contractions.
-  On a mesh the kernel still walks the row tiles of all ``T * k`` copies on every device (those of other
-  devices' experts compute into rows it does not write), so expert parallelism splits its weight reads but
-  not its multiply-adds.
+  The kernel walks every row tile of its operand (tiles past the groups compute into rows it does not write),
+  so on a mesh each device hands it only a static share of the sorted copies (``share_rows``), or all of them
+  when more than that share was routed to its experts.
 
   Args:
     x: ``[T, De]`` expert inputs (replicated). experts: ``[T, k]`` int32 ids. weights: ``[T, k]`` f32.
@@ -580,7 +603,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w1: jax
 
   def local(x, experts, weights, w1, w3, w2):
     first = jax.lax.axis_index(MODEL) * w1.shape[0]
-    return jax.lax.psum(run(x, experts, weights, w1, w3, w2, first=first), MODEL)
+    return jax.lax.psum(run(x, experts, weights, w1, w3, w2, first=first, shards=mesh.shape[MODEL]), MODEL)
 
   stacked = ("experts", None, None)
   return shard_kernel(local, (None, None, None, stacked, stacked, stacked), None, mesh)(
