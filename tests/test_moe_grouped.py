@@ -26,26 +26,31 @@ BLOCK = sharding.MGPU_BLOCKS["block_n"]  # 128: the widths below divide by it an
 ROWS = sharding.MGPU_MIN_ROWS
 
 
-@pytest.mark.parametrize("impl, dtype, rows, widths, want", [
-    ("pallas", BF16, ROWS, (3584, 3072), "mgpu"),  # K3's latent expert widths
-    ("pallas", jnp.float16, 65536, (256, 128), "mgpu"),
-    ("interpret", BF16, ROWS, (128, 128), "mgpu"),
-    ("xla", BF16, 65536, (3584, 3072), "xla"),  # impl
-    ("pallas", jnp.float32, 65536, (3584, 3072), "xla"),  # dtype
-    ("pallas", BF16, ROWS - 1, (3584, 3072), "xla"),  # decode-sized: XLA's dense dot is faster
-    ("pallas", BF16, 128, (3584, 3072), "xla"),
-    ("pallas", BF16, 65536, (3584, 3136), "xla"),  # 3136 = 49 * 64: divides by block_k, not block_n
-    ("pallas", BF16, 65536, (96, 128), "xla"),  # 96: not even by block_k
+@pytest.mark.parametrize("impl, dtype, rows, widths, experts, want", [
+    ("pallas", BF16, ROWS, (3584, 3072), 896, "mgpu"),  # K3's latent expert widths
+    ("pallas", jnp.float16, 65536, (256, 128), 32, "mgpu"),
+    ("interpret", BF16, ROWS, (128, 128), 32, "mgpu"),
+    ("xla", BF16, 65536, (3584, 3072), 32, "xla"),  # impl
+    ("pallas", jnp.float32, 65536, (3584, 3072), 32, "xla"),  # dtype
+    ("pallas", BF16, ROWS - 1, (3584, 3072), 32, "xla"),  # decode-sized, rows >= experts: ragged_dot
+    ("pallas", BF16, 128, (3584, 3072), 32, "xla"),
+    ("pallas", BF16, 65536, (3584, 3136), 32, "xla"),  # 3136 = 49 * 64: divides by block_k, not block_n
+    ("pallas", BF16, 65536, (96, 128), 32, "xla"),  # 96: not even by block_k
+    ("xla", BF16, 128, (3584, 3072), 880, "gather"),  # a 128-row decode over 880 experts
+    ("pallas", BF16, 128, (3584, 3072), 440, "gather"),
+    ("pallas", jnp.float32, 65536, (3584, 3072), 896, "xla"),  # rows >= experts
+    ("xla", BF16, 880, (3584, 3072), 880, "xla"),
 ])
-def test_backend_selection(impl, dtype, rows, widths, want):
-  assert sharding.grouped_matmul_backend(impl, dtype, rows, widths) == want
+def test_backend_selection(impl, dtype, rows, widths, experts, want):
+  assert sharding.grouped_matmul_backend(impl, dtype, rows, widths, experts) == want
 
 
-@pytest.mark.parametrize("impl, rows, match", [("cuda", ROWS, "impl must be"), ("pallas", -1, "rows must be"),
-                                               ("pallas", 1024.0, "rows must be")])
-def test_backend_selection_rejects_bad_input(impl, rows, match):
+@pytest.mark.parametrize("impl, rows, experts, match", [
+    ("cuda", ROWS, 8, "impl must be"), ("pallas", -1, 8, "rows must be"), ("pallas", 1024.0, 8, "rows must be"),
+    ("pallas", ROWS, -8, "experts must be"), ("pallas", ROWS, True, "experts must be")])
+def test_backend_selection_rejects_bad_input(impl, rows, experts, match):
   with pytest.raises(ValueError, match=match):
-    sharding.grouped_matmul_backend(impl, BF16, rows, (128, 128))
+    sharding.grouped_matmul_backend(impl, BF16, rows, (128, 128), experts)
 
 
 def _silu_gate(g, u):
@@ -89,15 +94,16 @@ def test_rows_past_the_groups_are_left_unwritten():
   lhs = jnp.asarray(rng.standard_normal((256, BLOCK)), BF16)
   rhs = jnp.asarray(rng.standard_normal((2, BLOCK, BLOCK)), BF16)
   with _interpret.interpret_mode():
-    out = np.asarray(sharding._grouped_matmul(lhs, rhs, jnp.asarray([70, 60], jnp.int32), "mgpu"), np.float32)
+    out = np.asarray(sharding._grouped_matmul(lhs, rhs, jnp.asarray([70, 60], jnp.int32), None, "mgpu"), np.float32)
   assert np.isnan(out[130:]).all() and not np.isnan(out[:130]).any()
 
 
 @pytest.mark.parametrize("skewed", [False, True])
-def test_expert_shares_through_the_kernel_match_the_oracle(kernel_impl, skewed):
+@pytest.mark.parametrize("backend", ["mgpu", "gather"])
+def test_expert_shares_match_the_oracle(kernel_impl, backend, skewed):
   """Each half of the experts as one of 2 devices runs it (``_experts_on`` without a mesh: the other half's
-  copies are not its own, so the kernel leaves their rows unwritten); the halves add up to the oracle and
-  carry no NaN.
+  copies are not its own, so the kernel leaves their rows unwritten, the gather multiplies them by a wrong
+  expert); the halves add up to the oracle and carry no NaN.
 
   Balanced routing: each half's copies fit its static share (640 of 1024 rows). Skewed: every copy goes to
   the first half, which must fall back to all rows (the share would drop 384 copies); the second half has
@@ -107,15 +113,15 @@ def test_expert_shares_through_the_kernel_match_the_oracle(kernel_impl, skewed):
   if skewed:
     rng = np.random.default_rng(3)
     p["experts"] = jnp.asarray(np.stack([rng.permutation(4) for _ in range(ROWS // 4)]), jnp.int32)
-  assert sharding.share_rows(ROWS, 2, BLOCK) == 640
+  assert sharding.share_rows(ROWS, 2, BLOCK) == sharding.share_rows(ROWS, 2, sharding.GATHER_ROWS) == 640
   args = [p[n] for n in ("x", "experts", "weights")]
   halves = []
   for first in (0, 4):
-    run = jax.jit(functools.partial(sharding._experts_on, act=_silu_gate, dtype=BF16, backend="mgpu",
+    run = jax.jit(functools.partial(sharding._experts_on, act=_silu_gate, dtype=BF16, backend=backend,
                                     interpret=kernel_impl == "interpret", shards=2, first=first))
     weights = [p[w][first:first + 4] for w in ("w1", "w3", "w2")]
     jaxpr = str(jax.make_jaxpr(run)(*args, *weights))
-    assert "ragged_dot" not in jaxpr and "cond[" in jaxpr  # the kernel runs: on the share, or on all rows
+    assert "ragged_dot" not in jaxpr and "cond[" in jaxpr  # on the share, or on all rows
     halves.append(run(*args, *weights))
   for half in halves:
     assert not np.isnan(np.asarray(half)).any()
@@ -140,6 +146,32 @@ def test_expert_parallel_on_a_mesh_through_the_kernel(kernel_impl):
     assert "cond[" in str(jax.make_jaxpr(run)(*args))
     got = run(*args)
   _check(got, _oracle(**p))
+
+
+@pytest.mark.parametrize("mesh_devices", [None, 2])
+def test_decode_over_many_experts_gathers(mesh_devices):
+  """64 copies over 160 experts (fewer rows than experts): the ``"gather"`` backend, without and with a mesh
+  (a 48-row share of each device, one psum), equals the oracle in f32 and ``ragged_dot`` in bf16."""
+  if mesh_devices and len(jax.devices()) < mesh_devices:
+    pytest.skip(f"needs {mesh_devices} devices")
+  p = _problem(t=16, k=4, e=160, de=BLOCK, i=BLOCK, seed=4)
+  args = [p[n] for n in ("x", "experts", "weights", "w1", "w3", "w2")]
+  assert sharding.share_rows(64, 2, sharding.GATHER_ROWS) == 48
+  on_mesh = jax.set_mesh(sharding.make_mesh(mesh_devices)) if mesh_devices else contextlib.nullcontext()
+  got = {}
+  with on_mesh:
+    for dtype in (jnp.float32, BF16):
+      run = jax.jit(functools.partial(sharding.routed_experts, act=_silu_gate, dtype=dtype, impl="pallas"))
+      jaxpr = str(jax.make_jaxpr(run)(*args))
+      assert "ragged_dot" not in jaxpr and ("cond[" in jaxpr) == bool(mesh_devices)
+      got[dtype] = np.asarray(run(*args), np.float64)
+      assert got[dtype].shape == (16, BLOCK) and not np.isnan(got[dtype]).any()
+  # bf16-valued operands, f32 products and sums: f32 rounding only.
+  np.testing.assert_allclose(got[jnp.float32], _oracle(**p), rtol=1e-5, atol=1e-5 * np.abs(got[jnp.float32]).max())
+  # The same bf16 rounding of the activation as ragged_dot; the sums differ in order only.
+  want = jax.jit(functools.partial(sharding._experts_on, act=_silu_gate, dtype=BF16, backend="xla", interpret=False,
+                                   first=0))(*args)
+  np.testing.assert_allclose(got[BF16], np.asarray(want, np.float64), rtol=1e-3, atol=1e-3 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("rows, shards, want", [(1024, 2, 640), (1024, 1, 1024), (1024, 9, 256), (100, 9, 100),
