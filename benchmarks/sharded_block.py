@@ -333,8 +333,9 @@ def token_stats(logits: np.ndarray, ref: np.ndarray, tol: float) -> dict:
     tol: the tolerance ``tokens_above_tol`` counts against.
 
   Returns:
-    ``token_rel_median``, ``token_rel_p99``, ``token_rel_max`` (floats) and ``tokens_above_tol``, ``tokens``
-    (ints); a row with an all-zero reference and any difference has ``rel = inf``, a NaN row counts as above.
+    ``token_rel_median``, ``token_rel_p99``, ``token_rel_max`` (floats) and ``tokens_above_tol``,
+    ``tokens_compared`` (ints); a row with an all-zero reference and any difference has ``rel = inf``, a NaN
+    row counts as above.
   """
   vocab = ref.shape[-1]
   diff = np.abs(logits - ref).reshape(-1, vocab).max(-1).astype(np.float64)
@@ -343,7 +344,8 @@ def token_stats(logits: np.ndarray, ref: np.ndarray, tol: float) -> dict:
     rel = np.where(diff == 0, 0.0, diff / scale)
   # "higher": the p99 is one token's value (no interpolation, which turns inf into nan).
   return dict(token_rel_median=float(np.median(rel)), token_rel_p99=float(np.percentile(rel, 99, method="higher")),
-              token_rel_max=float(rel.max()), tokens_above_tol=int(np.sum(~(rel <= tol))), tokens=int(rel.size))
+              token_rel_max=float(rel.max()), tokens_above_tol=int(np.sum(~(rel <= tol))),
+              tokens_compared=int(rel.size))
 
 
 def compare(out: Output, ref_path: str) -> None:
@@ -351,7 +353,7 @@ def compare(out: Output, ref_path: str) -> None:
 
   ``max_rel_diff`` (max |logit - reference| / max |reference logit| over prefill and decode) against
   ``TOLERANCES[dtype]`` decides ``ok``; ``{prefill,decode}_rel_diff`` are the same per phase, and
-  ``{prefill,decode}_{token_rel_median,token_rel_p99,token_rel_max,tokens_above_tol,tokens}`` the per-token
+  ``{prefill,decode}_{token_rel_median,token_rel_p99,token_rel_max,tokens_above_tol,tokens_compared}`` the per-token
   diagnostics of ``token_stats``.
 
   Raises:
@@ -402,7 +404,7 @@ def print_table(row: dict) -> None:
           f"{row['prefill_rel_diff']:.2e}, decode rel diff {row['decode_rel_diff']:.2e}", flush=True)
     print("per token (its largest |diff| / its largest reference logit): " + "; ".join(
         f"{p} median {row[p + '_token_rel_median']:.2e}, p99 {row[p + '_token_rel_p99']:.2e}, max "
-        f"{row[p + '_token_rel_max']:.2e}, {row[p + '_tokens_above_tol']} of {row[p + '_tokens']} above tol"
+        f"{row[p + '_token_rel_max']:.2e}, {row[p + '_tokens_above_tol']} of {row[p + '_tokens_compared']} above tol"
         for p in ("prefill", "decode")), flush=True)
   if row["platform"] == "cpu":
     print("(the CPU devices share the host's cores: times show overheads, not a speed-up)", flush=True)

@@ -20,7 +20,7 @@ ROW_FIELDS = ("devices", "mesh", "padding", "prefill_ms", "prefill_tok_s", "deco
 TABLE_COLUMNS = ("devices", "mesh", "padding", "prefill ms", "prefill tok/s", "decode ms/step", "decode tok/s",
                  "peak GiB/dev", "params+cache GiB/dev", "max rel diff vs ref")
 QUICK = ["--reps", "1", "--watchdog", "0"]
-STATS = ("token_rel_median", "token_rel_p99", "token_rel_max", "tokens_above_tol", "tokens")
+STATS = ("token_rel_median", "token_rel_p99", "token_rel_max", "tokens_above_tol", "tokens_compared")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -47,7 +47,7 @@ def test_sharded_logits_match_one_device(tmp_path, capsys, dtype):
     assert all(np.isfinite(v) for v in stats.values()), stats
     assert 0 <= stats["token_rel_median"] <= stats["token_rel_p99"] <= stats["token_rel_max"], stats
     assert stats["token_rel_max"] >= sharded[f"{phase}_rel_diff"], stats  # a row's scale <= the global one
-    assert (stats["tokens_above_tol"], stats["tokens"]) == (0, tokens)
+    assert (stats["tokens_above_tol"], stats["tokens_compared"]) == (0, tokens)
   assert sharded["reference_devices"] == 1 and sharded["prefill_scaling_efficiency"] > 0
   assert {f: sharded[f] for f in sharded_block.RUN_FIELDS} == {f: single[f] for f in sharded_block.RUN_FIELDS}
   for column in TABLE_COLUMNS:
@@ -59,7 +59,7 @@ def _fake_reference(path: pathlib.Path) -> sharded_block.Output:
   """A reference .npz of random logits with the tiny sizes (no model run), and its Output."""
   rng = np.random.default_rng(0)
   row = dict(devices=1, prefill_ms=10.0, decode_ms=1.0, tiny=True, dtype="bfloat16", experts=8, seqs=3,
-             prompt_len=16, prefill_batch=3, context=64, decode_steps=3, warmup=1, seed=0)
+             prompt_len=16, prefill_batch=3, context=64, decode_steps=3, warmup=1, seed=0, prefill_tokens=48)
   out = sharded_block.Output(row=row, prefill_logits=rng.standard_normal((3, 4, 256), np.float32),
                              decode_logits=rng.standard_normal((4, 3, 256), np.float32))
   np.savez(path, prefill_logits=out.prefill_logits, decode_logits=out.decode_logits, run=json.dumps(row))
@@ -77,8 +77,9 @@ def test_compare_flags_wrong_logits(tmp_path):
   assert out.row["prefill_rel_diff"] == 0.0
   # The per-token numbers tell one bad token from a bad run.
   assert (out.row["prefill_tokens_above_tol"], out.row["prefill_token_rel_max"]) == (0, 0.0)
-  decode = (out.row["decode_tokens_above_tol"], out.row["decode_tokens"], out.row["decode_token_rel_median"])
+  decode = (out.row["decode_tokens_above_tol"], out.row["decode_tokens_compared"], out.row["decode_token_rel_median"])
   assert decode == (1, 12, 0.0)
+  assert out.row["prefill_tokens"] == 48  # the run's own numbers survive the comparison's
   cut = dataclasses.replace(out, row=dict(out.row), decode_logits=out.decode_logits[:, :, :-1])
   with pytest.raises(ValueError, match="decode logits of shape"):
     sharded_block.compare(cut, str(ref))
@@ -98,7 +99,7 @@ def test_token_stats_match_a_float64_oracle():
   assert stats["token_rel_median"] == pytest.approx(np.median(rel), rel=1e-4)
   assert stats["token_rel_p99"] == pytest.approx(np.percentile(rel, 99, method="higher"), rel=1e-4)
   assert stats["token_rel_max"] == pytest.approx(0.5, rel=1e-5)
-  assert (stats["tokens_above_tol"], stats["tokens"]) == (int(np.sum(rel > 1e-3)), 200)
+  assert (stats["tokens_above_tol"], stats["tokens_compared"]) == (int(np.sum(rel > 1e-3)), 200)
   # An all-zero reference row: equal -> 0, different -> inf; a NaN row counts as above the tolerance.
   zero = np.zeros((3, 4), np.float32)
   bad = zero.copy()
