@@ -1,0 +1,142 @@
+"""The KDA short convolution (pure JAX) next to the KDA op it feeds, on one GPU, in the same run.
+
+Issue [6/9] item 3 allows a pure-JAX short convolution "if a benchmark shows it is not the bottleneck".
+This script measures that: ``short_conv_prefill`` against ``kda_prefill`` (impl pallas) on the same tokens,
+and ``short_conv_update`` against ``kda_decode`` (impl pallas, f32 state) on the same batch. The conv runs over
+the packed q|k|v projection (``D = 3 H K`` channels, width W = 4, SiLU, bf16 rows and bf16 conv pool, the K3
+defaults), reading and writing its conv-state slots in place (donated pool); the KDA op reads and writes its
+state slots in place.
+
+Every time is device time per call from CUPTI (all kernels a jitted call launches, mean over the timed
+calls): the decode ops take microseconds, where Python dispatch would hide them. Decode rotates pool slots
+(as ``kda_decode.py``) so the states are not L2 resident. ``conv share`` = conv / (conv + KDA op): the part
+of a KDA layer's recurrent core that the convolution takes. Bytes: the conv moves ``x`` in and out
+(``2 T D`` bf16) plus its pool rows; ``GB/s`` and ``copy%`` (of 4.27 TB/s) say how close it runs to a copy.
+
+Run on the GPU machine: ``PYTHONPATH=. python3 benchmarks/short_conv.py [--json PATH]``.
+"""
+
+import argparse
+import faulthandler
+import json
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import kda_decode, kda_prefill  # noqa: E402
+from pallas_kernels import kda  # noqa: E402
+from pallas_kernels.kda import short_conv  # noqa: E402
+
+W = 4
+K = kda_decode.K
+BF16 = jnp.bfloat16
+
+
+def device_ms(step, carry, feeds, iters: int) -> float:
+  """Mean device ms per call of ``carry = step(carry, feeds[i % len(feeds)])`` (after one untimed call)."""
+  carry = jax.block_until_ready(step(carry, feeds[0]))
+  with kda_decode.cupti_kernels() as records:
+    for i in range(iters):
+      carry = step(carry, feeds[i % len(feeds)])
+    jax.block_until_ready(carry)
+  return sum(ms for _, ms in records) / iters
+
+
+def conv_prefill_ms(lens, h: int, iters: int) -> float:
+  """``short_conv_prefill`` over ``sum(lens)`` tokens of ``3 h K`` channels, every sequence with a history."""
+  rng = np.random.default_rng(0)
+  n, t, d = len(lens), int(sum(lens)), 3 * h * K
+  x = jnp.asarray(rng.standard_normal((t, d)), BF16)
+  weight = jnp.asarray(rng.standard_normal((d, W)) / np.sqrt(W), BF16)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+  slots, history = jnp.arange(n, dtype=jnp.int32), jnp.ones(n, bool)
+
+  def step(pool, _):
+    y, pool = short_conv.short_conv_prefill(x, weight, cu_seqlens=cu, conv_pool=pool, state_indices=slots,
+                                           has_initial_state=history)
+    return pool, y
+
+  run = jax.jit(lambda carry, feed: step(carry[0], feed), donate_argnums=(0,))
+  pool = jnp.asarray(rng.standard_normal((n, W - 1, d)), BF16)
+  return device_ms(run, (pool, None), [None], iters)
+
+
+def kda_prefill_ms(lens, h: int, iters: int) -> float:
+  """``kda_prefill`` (impl pallas, f32 state) on the inputs of ``kda_prefill.py``."""
+  x = kda_prefill.make_inputs(lens, h)
+  n = len(lens)
+  cfg = kda.KdaConfig(lower_bound=kda_decode.LB, impl="pallas")
+  bf = lambda a: jnp.asarray(a, BF16)
+  args = (bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["g_raw"]), bf(x["beta_raw"]))
+
+  def step(pool, _):
+    o, pool = kda.kda_prefill(*args, A_log=jnp.asarray(x["A_log"]), dt_bias=jnp.asarray(x["dt_bias"]),
+                              cu_seqlens=jnp.asarray(x["cu"]), state_pool=pool,
+                              state_indices=jnp.arange(n, dtype=jnp.int32), has_initial_state=jnp.ones(n, bool),
+                              config=cfg)
+    return pool, o
+
+  run = jax.jit(lambda carry, feed: step(carry[0], feed), donate_argnums=(0,))
+  return device_ms(run, (jnp.asarray(x["h0"]), None), [None], iters)
+
+
+def conv_decode_ms(n: int, h: int, rot: int, iters: int) -> float:
+  """``short_conv_update`` of ``n`` rows of ``3 h K`` channels, slots rotated over ``rot`` blocks of ``n``."""
+  rng = np.random.default_rng(1)
+  d = 3 * h * K
+  x = jnp.asarray(rng.standard_normal((n, d)), BF16)
+  weight = jnp.asarray(rng.standard_normal((d, W)) / np.sqrt(W), BF16)
+  feeds = [jnp.asarray(r * n + rng.permutation(n), jnp.int32) for r in range(rot)]
+
+  def step(carry, slots):
+    y, pool = short_conv.short_conv_update(x, weight, conv_pool=carry[0], state_indices=slots)
+    return pool, y
+
+  run = jax.jit(step, donate_argnums=(0,))
+  pool = jnp.asarray(rng.standard_normal((n * rot, W - 1, d)), BF16)
+  return device_ms(run, (pool, None), feeds, iters)
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--json", help="write the rows here")
+  args = parser.parse_args(argv)
+  faulthandler.dump_traceback_later(540, exit=True)
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+  rows = []
+  print(f"{'phase':>7} {'shape':>14} | {'conv us':>9} {'GB/s':>6} {'copy%':>5} | {'KDA op us':>9} | {'conv share':>10}")
+  for lens, h in (((8192,), 96), ((1024,) * 8, 96), ((8192,), 11)):
+    t, d = sum(lens), 3 * h * K
+    conv = conv_prefill_ms(lens, h, iters=20)
+    op = kda_prefill_ms(lens, h, iters=10)
+    moved = (2 * t * d + 2 * len(lens) * (W - 1) * d) * 2
+    rows.append(dict(phase="prefill", N=len(lens), T=t, H=h, conv_us=conv * 1e3, kda_us=op * 1e3,
+                     conv_gbps=moved / (conv * 1e-3) / 1e9))
+  for n, h in ((1, 96), (8, 96), (64, 96), (256, 96), (256, 11)):
+    d = 3 * h * K
+    state_bytes = n * h * K * K * 4
+    rot = int(min(64, max(1, np.ceil(3 * kda_decode.L2_BYTES / state_bytes))))
+    iters = int(min(400, max(20, 2e9 / (2 * state_bytes)))) // rot * rot or rot
+    conv = conv_decode_ms(n, h, rot, iters)
+    data, slots = kda_decode.make_inputs(n, h, rot, jnp.float32)
+    op = kda_decode.time_ours(data, slots, jnp.float32, iters)[0]
+    moved = (2 * n * d + 2 * n * (W - 1) * d) * 2
+    rows.append(dict(phase="decode", N=n, T=n, H=h, conv_us=conv * 1e3, kda_us=op * 1e3,
+                     conv_gbps=moved / (conv * 1e-3) / 1e9))
+  for r in rows:
+    r["conv_share"] = r["conv_us"] / (r["conv_us"] + r["kda_us"])
+    shape = f"N={r['N']} T={r['T']} H={r['H']}"
+    print(f"{r['phase']:>7} {shape:>14} | {r['conv_us']:9.1f} {r['conv_gbps']:6.0f} "
+          f"{100 * r['conv_gbps'] / (kda_decode.COPY_TBPS * 1e3):5.1f} | {r['kda_us']:9.1f} | {r['conv_share']:10.1%}",
+          flush=True)
+  if args.json:
+    with open(args.json, "w") as fh:
+      json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+  main()
