@@ -108,15 +108,17 @@ def main(argv: list[str] | None = None) -> None:
   faulthandler.dump_traceback_later(540, exit=True)
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
   rows = []
-  print(f"{'phase':>7} {'shape':>14} | {'conv us':>9} {'GB/s':>6} {'copy%':>5} | {'KDA op us':>9} | {'conv share':>10}")
-  for lens, h in (((8192,), 96), ((1024,) * 8, 96), ((8192,), 11)):
-    t, d = sum(lens), 3 * h * K
-    conv = conv_prefill_ms(lens, h, iters=20)
-    op = kda_prefill_ms(lens, h, iters=10)
-    moved = (2 * t * d + 2 * len(lens) * (W - 1) * d) * 2
-    rows.append(dict(phase="prefill", N=len(lens), T=t, H=h, conv_us=conv * 1e3, kda_us=op * 1e3,
-                     conv_gbps=moved / (conv * 1e-3) / 1e9))
-  for n, h in ((1, 96), (8, 96), (64, 96), (256, 96), (256, 11)):
+  print(f"{'phase':>7} {'shape':>18} | {'conv us':>9} {'GB/s':>6} {'copy%':>5} | {'KDA op us':>9} | {'conv share':>10}")
+
+  def report(**row):
+    row["conv_share"] = row["conv_us"] / (row["conv_us"] + row["kda_us"])
+    rows.append(row)
+    shape = f"N={row['N']} T={row['T']} H={row['H']}"
+    print(f"{row['phase']:>7} {shape:>18} | {row['conv_us']:9.1f} {row['conv_gbps']:6.0f} "
+          f"{100 * row['conv_gbps'] / (kda_decode.COPY_TBPS * 1e3):5.1f} | {row['kda_us']:9.1f} | "
+          f"{row['conv_share']:10.1%}", flush=True)
+
+  for n, h in ((1, 96), (256, 96), (8, 96), (64, 96), (256, 11)):
     d = 3 * h * K
     state_bytes = n * h * K * K * 4
     rot = int(min(64, max(1, np.ceil(3 * kda_decode.L2_BYTES / state_bytes))))
@@ -125,14 +127,14 @@ def main(argv: list[str] | None = None) -> None:
     data, slots = kda_decode.make_inputs(n, h, rot, jnp.float32)
     op = kda_decode.time_ours(data, slots, jnp.float32, iters)[0]
     moved = (2 * n * d + 2 * n * (W - 1) * d) * 2
-    rows.append(dict(phase="decode", N=n, T=n, H=h, conv_us=conv * 1e3, kda_us=op * 1e3,
-                     conv_gbps=moved / (conv * 1e-3) / 1e9))
-  for r in rows:
-    r["conv_share"] = r["conv_us"] / (r["conv_us"] + r["kda_us"])
-    shape = f"N={r['N']} T={r['T']} H={r['H']}"
-    print(f"{r['phase']:>7} {shape:>14} | {r['conv_us']:9.1f} {r['conv_gbps']:6.0f} "
-          f"{100 * r['conv_gbps'] / (kda_decode.COPY_TBPS * 1e3):5.1f} | {r['kda_us']:9.1f} | {r['conv_share']:10.1%}",
-          flush=True)
+    report(phase="decode", N=n, T=n, H=h, conv_us=conv * 1e3, kda_us=op * 1e3, conv_gbps=moved / (conv * 1e-3) / 1e9)
+  for lens, h in (((8192,), 96), ((1024,) * 8, 96), ((8192,), 11)):
+    t, d = sum(lens), 3 * h * K
+    conv = conv_prefill_ms(lens, h, iters=20)
+    op = kda_prefill_ms(lens, h, iters=10)
+    moved = (2 * t * d + 2 * len(lens) * (W - 1) * d) * 2
+    report(phase="prefill", N=len(lens), T=t, H=h, conv_us=conv * 1e3, kda_us=op * 1e3,
+           conv_gbps=moved / (conv * 1e-3) / 1e9)
   if args.json:
     with open(args.json, "w") as fh:
       json.dump(rows, fh, indent=1)
