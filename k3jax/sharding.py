@@ -19,8 +19,9 @@ parallelism (DCP) share it, as vLLM's ``-tp N -dcp N``:
 - KDA: every per-head tensor (projections, conv taps, ``A_log``, ``dt_bias``, the state pool and the conv
   pool) is split by heads; the ops run per device (``kda_prefill`` ... drop-ins), states never move.
 - MoE: expert parallel. Router and experts are split by experts (``routed_experts``: each device runs its
-  experts, one psum of ``[T, De]``; ``jax.lax.ragged_dot`` or, for large bf16 prefills under ``impl="pallas"``,
-  the Hopper grouped matmul ``ragged_dot_mgpu``); shared experts and the dense MLP are split by FFN width.
+  experts, one psum of ``[T, De]``; ``jax.lax.ragged_dot``, the Hopper grouped matmul ``ragged_dot_mgpu`` for
+  large bf16 prefills under ``impl="pallas"``, or a per-copy gather for decodes over many experts); shared
+  experts and the dense MLP are split by FFN width.
 - Vocabulary split in the embedding and the LM head; the logits are replicated at the end.
 
 The axis type is ``Auto``. The model modules carry logical names but no shardings; with ``Auto`` the

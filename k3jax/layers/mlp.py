@@ -2,8 +2,8 @@
 
 Routed experts run as three grouped matmuls over the token copies sorted by expert
 (``k3jax.sharding.routed_experts``: expert parallel on a mesh, all experts in place without one):
-``jax.lax.ragged_dot``, or the Hopper kernel ``ragged_dot_mgpu`` for large bf16 prefills under
-``impl="pallas"`` (``k3jax.sharding.grouped_matmul_backend``).
+``jax.lax.ragged_dot``, the Hopper kernel ``ragged_dot_mgpu`` for large bf16 prefills under ``impl="pallas"``,
+or each copy times its gathered expert for decodes over many experts (``k3jax.sharding.grouped_matmul_backend``).
 """
 
 from __future__ import annotations
