@@ -471,9 +471,10 @@ MGPU_BLOCKS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
 # multiply-adds; XLA lowers ``ragged_dot`` on the GPU to a dense dot over all G experts: ``rows G De I`` and
 # a ``[rows, G, N]`` f32 product. Measured on an H200: the kernel takes 9.9 ms for 65536 rows over 384
 # experts (3584 -> 3072) where the dense path asks 288 GiB for a 4096-token prefill over 768 experts, but
-# 24 ms for a 128-row decode over 768 experts (768 tiles of one useful row each), where the dense path is
-# faster. At 1024 rows (8 full tiles) the dense path does ``rows G / (rows + block_m G)`` ~ 7-8x the
-# kernel's multiply-adds for 96-896 local experts, and its product is already ~10 GB at 768 experts.
+# 24 ms for a 128-row decode over 768 experts (768 tiles of one useful row each): decodes take the gather
+# or the dense path (``grouped_matmul_backend``). At 1024 rows (8 full tiles) the dense path does
+# ``rows G / (rows + block_m G)`` ~ 7-8x the kernel's multiply-adds for 96-896 local experts, and its
+# product is already ~10 GB at 768 experts.
 MGPU_MIN_ROWS = 1024
 _MGPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
