@@ -59,6 +59,13 @@ def cupti_kernels():
     records.extend(ext._cupti_get_timings(True))
 
 
+def rotation_plan(state_bytes: int) -> tuple[int, int]:
+  """``(rotations, iters)`` for a working set of ``state_bytes``: enough rotating copies that three times the
+  L2 never holds the next step's states, and about 2 GB of state traffic timed (a multiple of the rotations)."""
+  rot = int(min(64, max(1, np.ceil(3 * L2_BYTES / state_bytes))))
+  return rot, int(min(400, max(20, 2e9 / (2 * state_bytes)))) // rot * rot or rot
+
+
 def make_inputs(n: int, h: int, rot: int, state_dtype, seed: int = 0):
   rng = np.random.default_rng(seed)
   f32 = lambda *s: rng.standard_normal(s, np.float32)
@@ -179,8 +186,7 @@ def main():
     for state_dtype in (jnp.float32, jnp.bfloat16):
       itemsize = jnp.dtype(state_dtype).itemsize
       state_bytes = n * h * V * K * itemsize
-      rot = int(min(64, max(1, np.ceil(3 * L2_BYTES / state_bytes))))
-      iters = int(min(400, max(20, 2e9 / (2 * state_bytes)))) // rot * rot or rot
+      rot, iters = rotation_plan(state_bytes)
       data, slots = make_inputs(n, h, rot, state_dtype)
       ours, ours_called, names, o_ours = time_ours(data, slots, state_dtype, iters)
       row = dict(N=n, H=h, state=jnp.dtype(state_dtype).name, ours_us=ours * 1e3, ours_called_us=ours_called * 1e3,

@@ -36,14 +36,21 @@ K = kda_decode.K
 BF16 = jnp.bfloat16
 
 
-def device_ms(step, carry, feeds, iters: int) -> float:
-  """Mean device ms per call of ``carry = step(carry, feeds[i % len(feeds)])`` (after one untimed call)."""
-  carry = jax.block_until_ready(step(carry, feeds[0]))
+def device_ms(step, pool, feeds, iters: int) -> float:
+  """Mean device ms per call of ``y, pool = step(pool, feeds[i % len(feeds)])`` (the pool donated), after one
+  untimed call."""
+  pool = jax.block_until_ready(step(pool, feeds[0]))[1]
   with kda_decode.cupti_kernels() as records:
     for i in range(iters):
-      carry = step(carry, feeds[i % len(feeds)])
-    jax.block_until_ready(carry)
+      out = step(pool, feeds[i % len(feeds)])
+      pool = out[1]
+    jax.block_until_ready(out)
   return sum(ms for _, ms in records) / iters
+
+
+def conv_bytes(tokens: int, seqs: int, d: int) -> int:
+  """Bytes the conv moves: ``x`` in and ``y`` out, and ``W - 1`` pool rows read and written per sequence (bf16)."""
+  return (2 * tokens * d + 2 * seqs * (W - 1) * d) * 2
 
 
 def conv_prefill_ms(lens, h: int, iters: int) -> float:
@@ -54,15 +61,11 @@ def conv_prefill_ms(lens, h: int, iters: int) -> float:
   weight = jnp.asarray(rng.standard_normal((d, W)) / np.sqrt(W), BF16)
   cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
   slots, history = jnp.arange(n, dtype=jnp.int32), jnp.ones(n, bool)
-
-  def step(pool, _):
-    y, pool = short_conv.short_conv_prefill(x, weight, cu_seqlens=cu, conv_pool=pool, state_indices=slots,
-                                           has_initial_state=history)
-    return pool, y
-
-  run = jax.jit(lambda carry, feed: step(carry[0], feed), donate_argnums=(0,))
+  step = jax.jit(lambda pool, _: short_conv.short_conv_prefill(
+      x, weight, cu_seqlens=cu, conv_pool=pool, state_indices=slots, has_initial_state=history),
+      donate_argnums=(0,))
   pool = jnp.asarray(rng.standard_normal((n, W - 1, d)), BF16)
-  return device_ms(run, (pool, None), [None], iters)
+  return device_ms(step, pool, [None], iters)
 
 
 def kda_prefill_ms(lens, h: int, iters: int) -> float:
@@ -70,18 +73,11 @@ def kda_prefill_ms(lens, h: int, iters: int) -> float:
   x = kda_prefill.make_inputs(lens, h)
   n = len(lens)
   cfg = kda.KdaConfig(lower_bound=kda_decode.LB, impl="pallas")
-  bf = lambda a: jnp.asarray(a, BF16)
-  args = (bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["g_raw"]), bf(x["beta_raw"]))
-
-  def step(pool, _):
-    o, pool = kda.kda_prefill(*args, A_log=jnp.asarray(x["A_log"]), dt_bias=jnp.asarray(x["dt_bias"]),
-                              cu_seqlens=jnp.asarray(x["cu"]), state_pool=pool,
-                              state_indices=jnp.arange(n, dtype=jnp.int32), has_initial_state=jnp.ones(n, bool),
-                              config=cfg)
-    return pool, o
-
-  run = jax.jit(lambda carry, feed: step(carry[0], feed), donate_argnums=(0,))
-  return device_ms(run, (jnp.asarray(x["h0"]), None), [None], iters)
+  args = [jnp.asarray(x[name], BF16) for name in ("q", "k", "v", "g_raw", "beta_raw")]
+  fixed = dict(A_log=jnp.asarray(x["A_log"]), dt_bias=jnp.asarray(x["dt_bias"]), cu_seqlens=jnp.asarray(x["cu"]),
+               state_indices=jnp.arange(n, dtype=jnp.int32), has_initial_state=jnp.ones(n, bool), config=cfg)
+  step = jax.jit(lambda pool, _: kda.kda_prefill(*args, state_pool=pool, **fixed), donate_argnums=(0,))
+  return device_ms(step, jnp.asarray(x["h0"]), [None], iters)
 
 
 def conv_decode_ms(n: int, h: int, rot: int, iters: int) -> float:
@@ -91,14 +87,10 @@ def conv_decode_ms(n: int, h: int, rot: int, iters: int) -> float:
   x = jnp.asarray(rng.standard_normal((n, d)), BF16)
   weight = jnp.asarray(rng.standard_normal((d, W)) / np.sqrt(W), BF16)
   feeds = [jnp.asarray(r * n + rng.permutation(n), jnp.int32) for r in range(rot)]
-
-  def step(carry, slots):
-    y, pool = short_conv.short_conv_update(x, weight, conv_pool=carry[0], state_indices=slots)
-    return pool, y
-
-  run = jax.jit(step, donate_argnums=(0,))
+  step = jax.jit(lambda pool, slots: short_conv.short_conv_update(x, weight, conv_pool=pool, state_indices=slots),
+                 donate_argnums=(0,))
   pool = jnp.asarray(rng.standard_normal((n * rot, W - 1, d)), BF16)
-  return device_ms(run, (pool, None), feeds, iters)
+  return device_ms(step, pool, feeds, iters)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,22 +111,17 @@ def main(argv: list[str] | None = None) -> None:
           f"{row['conv_share']:10.1%}", flush=True)
 
   for n, h in ((1, 96), (256, 96), (8, 96), (64, 96), (256, 11)):
-    d = 3 * h * K
-    state_bytes = n * h * K * K * 4
-    rot = int(min(64, max(1, np.ceil(3 * kda_decode.L2_BYTES / state_bytes))))
-    iters = int(min(400, max(20, 2e9 / (2 * state_bytes)))) // rot * rot or rot
+    rot, iters = kda_decode.rotation_plan(n * h * K * K * 4)
     conv = conv_decode_ms(n, h, rot, iters)
     data, slots = kda_decode.make_inputs(n, h, rot, jnp.float32)
     op = kda_decode.time_ours(data, slots, jnp.float32, iters)[0]
-    moved = (2 * n * d + 2 * n * (W - 1) * d) * 2
-    report(phase="decode", N=n, T=n, H=h, conv_us=conv * 1e3, kda_us=op * 1e3, conv_gbps=moved / (conv * 1e-3) / 1e9)
+    report(phase="decode", N=n, T=n, H=h, conv_us=conv * 1e3, kda_us=op * 1e3,
+           conv_gbps=conv_bytes(n, n, 3 * h * K) / (conv * 1e-3) / 1e9)
   for lens, h in (((8192,), 96), ((1024,) * 8, 96), ((8192,), 11)):
-    t, d = sum(lens), 3 * h * K
     conv = conv_prefill_ms(lens, h, iters=20)
     op = kda_prefill_ms(lens, h, iters=10)
-    moved = (2 * t * d + 2 * len(lens) * (W - 1) * d) * 2
-    report(phase="prefill", N=len(lens), T=t, H=h, conv_us=conv * 1e3, kda_us=op * 1e3,
-           conv_gbps=moved / (conv * 1e-3) / 1e9)
+    report(phase="prefill", N=len(lens), T=sum(lens), H=h, conv_us=conv * 1e3, kda_us=op * 1e3,
+           conv_gbps=conv_bytes(sum(lens), len(lens), 3 * h * K) / (conv * 1e-3) / 1e9)
   if args.json:
     with open(args.json, "w") as fh:
       json.dump(rows, fh, indent=1)
