@@ -567,16 +567,18 @@ def _experts_on(x, experts, weights, w1, w3, w2, *, first, act, dtype, backend, 
   order = jnp.argsort(group, stable=True)
   group_sizes = jnp.bincount(group, length=num_local + 1)[:num_local].astype(jnp.int32)
 
+  x, w1, w3, w2 = (a.astype(dtype) for a in (x, w1, w3, w2))  # once, outside the branches below
+
   def first_rows(rows):
     copy = order[:rows]
     matmul = functools.partial(_grouped_matmul, group_sizes=group_sizes,
                                row_group=jnp.minimum(group[copy], num_local - 1), backend=backend)
     token = copy // k
-    xs = x.astype(dtype)[token]
+    xs = x[token]
     with _interpret.interpret_mode(interpret):
-      gate, up = matmul(xs, w1.astype(dtype)), matmul(xs, w3.astype(dtype))
+      gate, up = matmul(xs, w1), matmul(xs, w3)
       h = act(gate.astype(jnp.float32), up.astype(jnp.float32)).astype(dtype)
-      y = matmul(h, w2.astype(dtype)).astype(jnp.float32)
+      y = matmul(h, w2).astype(jnp.float32)
     # A select, not a product with the mask: 0 * NaN would carry a garbage row into the sum.
     y = jnp.where(mine[copy][:, None], y * weights.reshape(-1)[copy][:, None], 0.0)
     return jnp.zeros((t, x.shape[-1]), jnp.float32).at[token].add(y)
