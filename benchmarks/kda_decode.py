@@ -6,15 +6,18 @@ through slot indices. To keep the state out of the 60 MB L2, each timed step use
 (the pool holds R rotating copies of the working set).
 
 Timings:
-* ``ours_kernel``: device time per call of our jitted function (every kernel it launches, from CUPTI,
-  mean over the timed calls; the names are printed, so a stray copy of the pool would show);
-* ``ours_called``: wall time per call from Python, dispatch included (median of 3 loops);
+* ``tma`` / ``direct``: device time per call of our jitted function with the kernel's state / IO path forced
+  to "tma" (TMA through SMEM) or "direct" (plain global loads and stores); every kernel it launches, from
+  CUPTI, mean over the timed calls; the names are printed, so a stray copy of the pool would show.
+  ``ours_kernel`` is the faster of the two, ``auto`` the path the kernel's default rule picks for the shape;
+* ``ours_called``: wall time per call from Python, dispatch included (median of 3 loops), faster path;
 * ``fla_called``: FLA per call from Python (CUDA events around a loop of calls, median of 3 loops);
 * ``fla_graph``: FLA replayed from a CUDA graph of ``GRAPH_CALLS`` calls (host overhead excluded);
 * ``fla_kernel``: FLA's kernel device time from CUPTI.
 GB/s counts the state read + write once (``2 * N * H * V * K * itemsize``); the fraction is against the
 4.27 TB/s device-to-device copy measured on this GPU kind (``shared/spec/mosaic-gpu-notes.md``).
-``vs FLA`` = the faster of FLA's graph and kernel times over ``ours_kernel``.
+``vs FLA`` = the faster of FLA's graph and kernel times over ``ours_kernel``; ``max|do|`` the larger of the two
+paths' largest difference from FLA's ``o``.
 
 Run on the GPU machine: ``PYTHONPATH=. python3 benchmarks/kda_decode.py [--quick] [--json PATH]``
 (needs torch and the ``fla-core`` wheel for the peer; without them only our kernel is timed).
@@ -37,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels.kda.config import KdaConfig  # noqa: E402
-from pallas_kernels.kda.decode_kernel import kda_decode_mosaic  # noqa: E402
+from pallas_kernels.kda.decode_kernel import BLOCK_V, STATE_IO, choose_state_io, kda_decode_mosaic  # noqa: E402
 
 COPY_TBPS = 4.27
 LB = -5.0
@@ -77,7 +80,7 @@ def make_inputs(n: int, h: int, rot: int, state_dtype, seed: int = 0):
   return data, slots
 
 
-def time_ours(data, slots, state_dtype, iters: int):
+def time_ours(data, slots, state_dtype, iters: int, state_io: str):
   bf = lambda x: jnp.asarray(x, jnp.bfloat16)
   q, k, v, g, beta = (bf(data[x]) for x in ("q", "k", "v", "g", "beta"))
   a_log, dt_bias = jnp.asarray(data["A_log"]), jnp.asarray(data["dt_bias"])
@@ -86,7 +89,7 @@ def time_ours(data, slots, state_dtype, iters: int):
   config = KdaConfig(lower_bound=LB, state_dtype=state_dtype, impl="pallas")
   # Donating the pool makes the kernel update it in place, as inside the model's donated step.
   step = jax.jit(functools.partial(kda_decode_mosaic, q, k, v, g, beta, a_log, dt_bias, config=config,
-                                   interpret=False), donate_argnums=(0,))
+                                   interpret=False, state_io=state_io), donate_argnums=(0,))
   o, pool = step(pool, slot_arrays[0], None)  # compile + warm up
   jax.block_until_ready((o, pool))
   o0 = np.asarray(o.astype(jnp.float32))
@@ -179,8 +182,8 @@ def main():
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
   shapes = [(1, 96), (256, 96)] if args.quick else [(n, h) for h in (11, 96) for n in (1, 8, 64, 256)]
   rows = []
-  header = (f"{'N':>4} {'H':>3} {'state':>5} | {'ours us':>8} {'called':>8} {'GB/s':>6} {'copy%':>5} | "
-            f"{'FLA called':>10} {'graph':>7} {'kernel':>7} | {'vs FLA':>6} {'max|do|':>8}")
+  header = (f"{'N':>4} {'H':>3} {'state':>5} | {'tma us':>7} {'direct':>7} {'auto':>6} {'called':>7} {'GB/s':>6} "
+            f"{'copy%':>5} | {'FLA called':>10} {'graph':>7} {'kernel':>7} | {'vs FLA':>6} {'max|do|':>8}")
   print(header)
   for n, h in shapes:
     for state_dtype in (jnp.float32, jnp.bfloat16):
@@ -188,20 +191,25 @@ def main():
       state_bytes = n * h * V * K * itemsize
       rot, iters = rotation_plan(state_bytes)
       data, slots = make_inputs(n, h, rot, state_dtype)
-      ours, ours_called, names, o_ours = time_ours(data, slots, state_dtype, iters)
-      row = dict(N=n, H=h, state=jnp.dtype(state_dtype).name, ours_us=ours * 1e3, ours_called_us=ours_called * 1e3,
-                 gbps=2 * state_bytes / (ours * 1e-3) / 1e9, kernels=names, iters=iters, rotations=rot)
+      paths = {io: time_ours(data, slots, state_dtype, iters, io) for io in STATE_IO}
+      ours, ours_called, _, _ = min(paths.values(), key=lambda r: r[0])
+      programs = V // BLOCK_V * h * n
+      row = dict(N=n, H=h, state=jnp.dtype(state_dtype).name, tma_us=paths["tma"][0] * 1e3,
+                 direct_us=paths["direct"][0] * 1e3, auto=choose_state_io(programs), ours_us=ours * 1e3,
+                 ours_called_us=ours_called * 1e3, gbps=2 * state_bytes / (ours * 1e-3) / 1e9,
+                 kernels=sorted({name for r in paths.values() for name in r[2]}), iters=iters, rotations=rot)
       row["copy_frac"] = row["gbps"] / (COPY_TBPS * 1e3)
       if have_fla:
         called, graph_ms, kernel_ms, o_fla = time_fla(data, slots, state_dtype, iters)
         best = min(graph_ms, kernel_ms) if kernel_ms > 0 else graph_ms
         row.update(fla_called_us=called * 1e3, fla_graph_us=graph_ms * 1e3, fla_kernel_us=kernel_ms * 1e3,
-                   vs_fla=best / ours, max_abs_diff_o=float(np.abs(o_ours - o_fla).max()))
+                   vs_fla=best / ours,
+                   max_abs_diff_o=max(float(np.abs(r[3] - o_fla).max()) for r in paths.values()))
       rows.append(row)
       fla_cols = (f"{row['fla_called_us']:10.1f} {row['fla_graph_us']:7.1f} {row['fla_kernel_us']:7.1f} | "
                   f"{row['vs_fla']:6.2f} {row['max_abs_diff_o']:8.1e}") if have_fla else "-"
-      print(f"{n:4d} {h:3d} {row['state'][:5]:>5} | {row['ours_us']:8.1f} {row['ours_called_us']:8.1f} "
-            f"{row['gbps']:6.0f} {100 * row['copy_frac']:5.1f} | {fla_cols}", flush=True)
+      print(f"{n:4d} {h:3d} {row['state'][:5]:>5} | {row['tma_us']:7.1f} {row['direct_us']:7.1f} {row['auto']:>6} "
+            f"{row['ours_called_us']:7.1f} {row['gbps']:6.0f} {100 * row['copy_frac']:5.1f} | {fla_cols}", flush=True)
   print("kernels in our call:", sorted({name for r in rows for name in r["kernels"]}))
   if args.json:
     with open(args.json, "w") as fh:

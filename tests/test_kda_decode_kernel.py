@@ -10,10 +10,17 @@ import pytest
 
 from pallas_kernels.kda.api import kda_decode, kda_prefill
 from pallas_kernels.kda.config import KdaConfig
+from pallas_kernels.kda import decode_kernel
 from pallas_kernels.kda.decode_kernel import kda_decode_mosaic
 
 POISON = 1e30
 LB = -3.0  # a K3 lower-bound gate inside FLA's accepted [-5, 0)
+
+
+@pytest.fixture(params=decode_kernel.STATE_IO)
+def state_io(request) -> str:
+  """Every kernel check runs on both state / IO paths (TMA through SMEM, direct global loads and stores)."""
+  return request.param
 
 
 def _oracle(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool, slots, accepted, *, lower_bound, state_dtype):
@@ -64,7 +71,7 @@ def _inputs(seed, n, steps, heads, kdim, vdim, num_slots, dtype=jnp.float32, sta
   return [q, k, v, g_raw, beta_raw, A_log, dt_bias], pool.astype(state_dtype)
 
 
-def _run(args, pool, slots, accepted, *, config, impl, single=False):
+def _run(args, pool, slots, accepted, *, config, impl, state_io, single=False):
   """The kernel on one device (interpret mode keeps per-device barrier state) with a fresh pool copy."""
   dev = jax.devices()[0]
   args = [jax.device_put(a, dev) for a in args]
@@ -74,7 +81,8 @@ def _run(args, pool, slots, accepted, *, config, impl, single=False):
     args = [a[:, 0] if i < 5 else a for i, a in enumerate(args)]
     slots, accepted = slots[:, 0], None
   pool = jax.device_put(jnp.array(pool, copy=True), dev)
-  o, new_pool = kda_decode_mosaic(*args, pool, slots, accepted, config=config, interpret=impl == "interpret")
+  o, new_pool = kda_decode_mosaic(*args, pool, slots, accepted, config=config, interpret=impl == "interpret",
+                                  state_io=state_io)
   if single:
     o = o[:, None]
   return np.asarray(o.astype(jnp.float32)), new_pool
@@ -101,13 +109,13 @@ def _check(o, new_pool, o_ref, pool_ref, pool, *, vdim, dtype, state_dtype, unto
     (None, jnp.float32, jnp.float32, 64, 64),
     (LB, jnp.bfloat16, jnp.bfloat16, 32, 128),  # two V-blocks; a 64-byte-row bf16 state tile
 ])
-def test_single_token_matches_oracle(kernel_impl, lower_bound, state_dtype, dtype, kdim, vdim):
+def test_single_token_matches_oracle(kernel_impl, state_io, lower_bound, state_dtype, dtype, kdim, vdim):
   heads, num_slots = 2, 6
   args, pool = _inputs(0, 3, 1, heads, kdim, vdim, num_slots, dtype, state_dtype)
   slots = np.asarray([[4], [-1], [1]])  # the -1 row outputs 0 and touches nothing
   pool = pool.at[jnp.asarray([0, 2, 3, 5])].set(POISON)
   config = KdaConfig(lower_bound=lower_bound, state_dtype=state_dtype, impl=kernel_impl)
-  o, new_pool = _run(args, pool, slots, [1, 1, 1], config=config, impl=kernel_impl, single=True)
+  o, new_pool = _run(args, pool, slots, [1, 1, 1], config=config, impl=kernel_impl, state_io=state_io, single=True)
   o_ref, pool_ref = _oracle(*args, pool, slots, [1, 1, 1], lower_bound=lower_bound,
                             state_dtype=ml_dtypes.bfloat16 if state_dtype == jnp.bfloat16 else np.float32)
   np.testing.assert_array_equal(o[1], 0.0)
@@ -116,7 +124,7 @@ def test_single_token_matches_oracle(kernel_impl, lower_bound, state_dtype, dtyp
 
 
 @pytest.mark.parametrize("lower_bound, state_dtype", [(LB, jnp.float32), (None, jnp.bfloat16)])
-def test_speculative_matches_oracle(kernel_impl, lower_bound, state_dtype):
+def test_speculative_matches_oracle(kernel_impl, state_io, lower_bound, state_dtype):
   heads, kdim, vdim, num_slots = 2, 64, 64, 12
   args, pool = _inputs(1, 3, 3, heads, kdim, vdim, num_slots, state_dtype=state_dtype)
   # Row 0 resumes from its 2nd column; row 1's read slot is -1 (padding); row 2 skips writing column 1.
@@ -125,7 +133,7 @@ def test_speculative_matches_oracle(kernel_impl, lower_bound, state_dtype):
   untouched = [3, 4, 5, 7, 9, 10, 11]
   pool = pool.at[jnp.asarray(untouched)].set(POISON)
   config = KdaConfig(lower_bound=lower_bound, state_dtype=state_dtype, impl=kernel_impl)
-  o, new_pool = _run(args, pool, slots, accepted, config=config, impl=kernel_impl)
+  o, new_pool = _run(args, pool, slots, accepted, config=config, impl=kernel_impl, state_io=state_io)
   o_ref, pool_ref = _oracle(*args, pool, slots, accepted, lower_bound=lower_bound,
                             state_dtype=ml_dtypes.bfloat16 if state_dtype == jnp.bfloat16 else np.float32)
   np.testing.assert_array_equal(o[1], 0.0)
@@ -133,22 +141,34 @@ def test_speculative_matches_oracle(kernel_impl, lower_bound, state_dtype):
          untouched=untouched)
 
 
+@pytest.mark.parametrize("n", [1, 256])
 @pytest.mark.parametrize("single, lower_bound, state_dtype, dtype", [
     (True, None, jnp.float32, jnp.bfloat16), (False, LB, jnp.bfloat16, jnp.bfloat16),
     (True, LB, jnp.bfloat16, jnp.float32), (False, None, jnp.float32, jnp.float32)])
-def test_lowers_for_cuda(single, lower_bound, state_dtype, dtype):
-  """Mosaic GPU lowering and layout inference of each config at the real head size, on the CPU."""
-  steps = 1 if single else 3
-  args, pool = _inputs(3, 4, steps, 3, 128, 128, 16, dtype, state_dtype)
-  slots = jnp.arange(4 * steps, dtype=jnp.int32).reshape(4, steps)
-  accepted = jnp.ones((4,), jnp.int32)
-  if single:
-    args = [a[:, 0] if i < 5 else a for i, a in enumerate(args)]
-    slots, accepted = slots[:, 0], None
+def test_lowers_for_cuda(state_io, n, single, lower_bound, state_dtype, dtype):
+  """Mosaic GPU lowering and layout inference of each config at the real sizes (H = 96, K = V = 128), on the
+  CPU. Abstract arguments: a pool of N * (1 + S) real slots would take gigabytes."""
+  heads, kdim = 96, 128  # V = K: q, k, v and g_raw share one shape
+  lead = (n,) if single else (n, 3)
+  spec = jax.ShapeDtypeStruct
+  args = [spec((*lead, heads, kdim), dtype)] * 4 + [spec((*lead, heads), dtype), spec((heads,), jnp.float32),
+                                                    spec((heads, kdim), jnp.float32)]
+  pool = spec((2, heads, kdim, kdim), state_dtype)
+  slots = spec(lead, jnp.int32)
+  accepted = None if single else spec((n,), jnp.int32)
   config = KdaConfig(lower_bound=lower_bound, state_dtype=state_dtype, impl="pallas")
-  f = functools.partial(kda_decode_mosaic, config=config, interpret=False)
+  f = functools.partial(kda_decode_mosaic, config=config, interpret=False, state_io=state_io)
   text = jax.jit(f).trace(*args, pool, slots, accepted).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+def test_state_io_rule_and_validation():
+  assert decode_kernel.choose_state_io(decode_kernel.DIRECT_MAX_PROGRAMS) == "direct"
+  assert decode_kernel.choose_state_io(decode_kernel.DIRECT_MAX_PROGRAMS + 1) == "tma"
+  args, pool = _inputs(4, 1, 1, 1, 64, 64, 2)
+  with pytest.raises(ValueError, match="state_io must be None or one of .*, got 'smem'"):
+    kda_decode_mosaic(*[a[:, 0] if i < 5 else a for i, a in enumerate(args)], pool, jnp.asarray([0], jnp.int32),
+                      None, config=KdaConfig(impl="interpret"), interpret=True, state_io="smem")
 
 
 def test_rejects_unsupported_head_sizes():
@@ -161,7 +181,7 @@ def test_rejects_unsupported_head_sizes():
 @pytest.mark.gpu
 @pytest.mark.parametrize("steps", [1, 4])
 @pytest.mark.parametrize("lower_bound, state_dtype", [(None, jnp.float32), (LB, jnp.bfloat16)])
-def test_real_sizes_on_gpu(steps, lower_bound, state_dtype):
+def test_real_sizes_on_gpu(state_io, steps, lower_bound, state_dtype):
   n, heads, num_slots = 8, 11, 40
   args, pool = _inputs(5, n, steps, heads, 128, 128, num_slots, jnp.bfloat16, state_dtype)
   slots = np.arange(n * steps).reshape(n, steps)
@@ -170,7 +190,8 @@ def test_real_sizes_on_gpu(steps, lower_bound, state_dtype):
   untouched = list(range(n * steps, num_slots))
   pool = pool.at[jnp.asarray(untouched)].set(POISON)
   config = KdaConfig(lower_bound=lower_bound, state_dtype=state_dtype, impl="pallas")
-  o, new_pool = _run(args, pool, slots, accepted, config=config, impl="pallas", single=steps == 1)
+  o, new_pool = _run(args, pool, slots, accepted, config=config, impl="pallas", state_io=state_io,
+                     single=steps == 1)
   o_ref, pool_ref = _oracle(*args, pool, slots, accepted, lower_bound=lower_bound,
                             state_dtype=ml_dtypes.bfloat16 if state_dtype == jnp.bfloat16 else np.float32)
   _check(o, new_pool, o_ref, pool_ref, pool, vdim=128, dtype=jnp.bfloat16, state_dtype=state_dtype,

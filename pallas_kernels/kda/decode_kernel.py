@@ -2,9 +2,12 @@
 
 Decode is bound by state bandwidth: an f32 state is ``V * K * 4`` bytes per head (64 KiB at K = V = 128),
 read and written once per step, while the token's own inputs are ``K``-sized vectors. So one program per
-(V-block of ``BV`` rows, head, sequence) streams its ``[BV, K]`` block of the V-first pool slot in with one
-TMA, keeps it in f32 registers (WGMMA layout: rows = V, columns = K) for all of the sequence's tokens, and
-streams each token's state back out with one TMA. The pool is updated in place: it is passed as a
+(V-block of ``BV`` rows, head, sequence) brings its ``[BV, K]`` block of the V-first pool slot in, keeps it
+in f32 registers (WGMMA layout: rows = V, columns = K) for all of the sequence's tokens, and writes each
+token's state back out. Two static ways to move state, inputs and ``o`` (``state_io``): "tma" (one TMA into
+SMEM and one out per block, best when bandwidth bound) and "direct" (plain global loads and stores between
+the refs and registers, two elements per access, no SMEM or barriers: a shorter dependent chain for latency-bound
+small grids); ``DIRECT_MAX_PROGRAMS`` sets the default. The pool is updated in place: it is passed as a
 ``jax.new_ref`` (``plgpu.kernel`` has no ``input_output_aliases``); like every impl of ``kda_decode`` it does
 not donate the pool itself: inside an enclosing jit that donates the pool the update happens in place.
 
@@ -27,13 +30,51 @@ from pallas_kernels.kda.config import KdaConfig
 from pallas_kernels.kda.kernel_math import L2NORM_EPS, gate
 
 BLOCK_V = 64  # rows of a WGMMA-layout register tile: one warpgroup, 64 f32 registers per thread at K = 128
+STATE_IO = ("tma", "direct")
+# ``state_io=None`` picks "direct" for grids of at most this many programs (``V / 64 * H * N``), "tma" above.
+# Small grids are latency bound: plain global loads and stores skip the SMEM hop, the barriers and the wait
+# for the TMA store. Provisional: about four programs per SM of an H200 (132 SMs); to be set from timings.
+DIRECT_MAX_PROGRAMS = 512
 
 
-def _decode_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, slots_ref, accepted_ref,
-                 pool_ref, o_ref, q_smem, k_smem, g_smem, v_smem, bias_smem, s_smem, o_smem, barriers, *,
-                 steps: int, speculative: bool, scale: float, lower_bound: float | None):
+def _token_step(s, q, k, x, v, beta, *, rate, scale: float, lower_bound: float | None, state_dtype):
+  """One token on a ``[BV, K]`` f32 state block in WGMMA layout.
+
+  Args:
+    s: ``[BV, K]`` f32 state. q, k: ``[K]`` raw, f32, ``WGMMA.reduce(0)`` layout; x: ``g_raw + dt_bias``, same.
+    v: ``[BV]`` f32, ``WGMMA.reduce(1)`` layout. beta: ``sigmoid(beta_raw)``, f32 scalar. rate: ``exp(A_log)``.
+
+  Returns:
+    The new state (f32, rounded through ``state_dtype``: the next token starts from the stored state) and
+    ``o`` (``[BV]`` f32, ``WGMMA.reduce(1)`` layout).
+  """
+  along_v = lambda a: lax.broadcast_in_dim(a, s.shape, (1,))  # a [K] vector repeated on every V row
+  along_k = lambda a: lax.broadcast_in_dim(a, s.shape, (0,))  # a [BV] vector repeated on every K column
+  qv, kv = along_v(q), along_v(k)
+  inv_k = lax.rsqrt(jnp.sum(kv * kv, axis=1) + L2NORM_EPS)
+  inv_q = lax.rsqrt(jnp.sum(qv * qv, axis=1) + L2NORM_EPS)
+  s = s * along_v(jnp.exp(gate(x, rate, lower_bound)))
+  u = beta * (v - jnp.sum(s * kv, axis=1) * inv_k)
+  s = s + along_k(u * inv_k) * kv
+  if state_dtype != jnp.float32:
+    s = s.astype(state_dtype).astype(jnp.float32)
+  return s, scale * inv_q * jnp.sum(s * qv, axis=1)
+
+
+def _program_ids():
+  """``(n, h, V rows)`` of this program; the read slot is taken by the caller."""
   vb, h, n = lax.axis_index("vb"), lax.axis_index("h"), lax.axis_index("n")
-  rows = pl.ds(pl.multiple_of(vb * BLOCK_V, BLOCK_V), BLOCK_V)
+  return n, h, pl.ds(pl.multiple_of(vb * BLOCK_V, BLOCK_V), BLOCK_V)
+
+
+def _read_slot(slots_ref, accepted_ref, n, speculative: bool):
+  return slots_ref[n, accepted_ref[n] - 1] if speculative else slots_ref[n, 0]
+
+
+def _tma_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, slots_ref, accepted_ref,
+              pool_ref, o_ref, q_smem, k_smem, g_smem, v_smem, bias_smem, s_smem, o_smem, barriers, *,
+              steps: int, speculative: bool, scale: float, lower_bound: float | None):
+  n, h, rows = _program_ids()
   col = plgpu.Layout.WGMMA.reduce(0)  # [K] vectors, broadcast along the V rows
   row = plgpu.Layout.WGMMA.reduce(1)  # [BV] vectors, broadcast along the K columns
   # Small batches are latency bound: start every load that does not depend on the slot before the
@@ -42,7 +83,7 @@ def _decode_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, s
             (v_ref.at[n, :, h, rows], v_smem), (dt_bias_ref.at[h], bias_smem))
   for i, (src, dst) in enumerate(inputs):
     plgpu.copy_gmem_to_smem(src, dst, barriers.at[i])
-  read_slot = slots_ref[n, accepted_ref[n] - 1] if speculative else slots_ref[n, 0]
+  read_slot = _read_slot(slots_ref, accepted_ref, n, speculative)
   live = read_slot >= 0
   rate = jnp.exp(a_log_ref[h].astype(jnp.float32))
   betas = [jax.nn.sigmoid(beta_ref[n, t, h].astype(jnp.float32)) for t in range(steps)]
@@ -55,23 +96,12 @@ def _decode_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, s
       plgpu.barrier_wait(barriers.at[i])
     bias = plgpu.load(bias_smem, layout=col, optimized=False)
     plgpu.barrier_wait(state_barrier)
-    shape = s_smem.shape
     s = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA, optimized=True).astype(jnp.float32)
-    along_v = lambda x: lax.broadcast_in_dim(x, shape, (1,))  # a [K] vector repeated on every V row
-    along_k = lambda x: lax.broadcast_in_dim(x, shape, (0,))  # a [BV] vector repeated on every K column
     for t in range(steps):
-      qv = along_v(plgpu.load(q_smem.at[t], layout=col, optimized=False).astype(jnp.float32))
-      kv = along_v(plgpu.load(k_smem.at[t], layout=col, optimized=False).astype(jnp.float32))
-      x = plgpu.load(g_smem.at[t], layout=col, optimized=False).astype(jnp.float32) + bias
-      v = plgpu.load(v_smem.at[t], layout=row, optimized=False).astype(jnp.float32)
-      inv_k = lax.rsqrt(jnp.sum(kv * kv, axis=1) + L2NORM_EPS)
-      inv_q = lax.rsqrt(jnp.sum(qv * qv, axis=1) + L2NORM_EPS)
-      s = s * along_v(jnp.exp(gate(x, rate, lower_bound)))
-      u = betas[t] * (v - jnp.sum(s * kv, axis=1) * inv_k)
-      s = s + along_k(u * inv_k) * kv
-      if s_smem.dtype != jnp.float32:
-        s = s.astype(s_smem.dtype).astype(jnp.float32)  # the next token starts from the stored state
-      o_smem[t] = (scale * inv_q * jnp.sum(s * qv, axis=1)).astype(o_smem.dtype)
+      load = lambda ref, layout: plgpu.load(ref.at[t], layout=layout, optimized=False).astype(jnp.float32)
+      s, o = _token_step(s, load(q_smem, col), load(k_smem, col), load(g_smem, col) + bias, load(v_smem, row),
+                         betas[t], rate=rate, scale=scale, lower_bound=lower_bound, state_dtype=s_smem.dtype)
+      o_smem[t] = o.astype(o_smem.dtype)
       dst = slots_ref[n, t]
       if t:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous token's store has left s_smem
@@ -96,8 +126,47 @@ def _decode_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, s
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _direct_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, slots_ref, accepted_ref,
+                 pool_ref, o_ref, *, steps: int, speculative: bool, scale: float, lower_bound: float | None):
+  """Plain global loads and stores straight between the refs and registers: no SMEM, TMA or barrier.
+
+  The state load is issued right after the slot id arrives, then the inputs, so they overlap it; each
+  later token's inputs are requested one token ahead. Each thread loads and stores the same state elements
+  (one layout), so a token that writes the slot it read from is ordered after that read.
+  """
+  n, h, rows = _program_ids()
+  col = plgpu.Layout.WGMMA.reduce(0)
+  row = plgpu.Layout.WGMMA.reduce(1)
+  load = lambda ref, layout: plgpu.load(ref, layout=layout, optimized=False).astype(jnp.float32)
+  read_slot = _read_slot(slots_ref, accepted_ref, n, speculative)
+
+  @pl.when(read_slot >= 0)
+  def _():
+    s = load(pool_ref.at[read_slot, h, rows], plgpu.Layout.WGMMA)
+    token = lambda t: (load(q_ref.at[n, t, h], col), load(k_ref.at[n, t, h], col), load(g_ref.at[n, t, h], col),
+                       load(v_ref.at[n, t, h, rows], row), beta_ref[n, t, h])
+    nxt = token(0)
+    bias = load(dt_bias_ref.at[h], col)
+    rate = jnp.exp(a_log_ref[h].astype(jnp.float32))
+    for t in range(steps):
+      (q, k, g, v, beta_raw), nxt = nxt, (token(t + 1) if t + 1 < steps else None)
+      s, o = _token_step(s, q, k, g + bias, v, jax.nn.sigmoid(beta_raw.astype(jnp.float32)), rate=rate,
+                         scale=scale, lower_bound=lower_bound, state_dtype=pool_ref.dtype)
+      o_ref.at[n, t, h, rows][...] = o.astype(o_ref.dtype)
+      dst = slots_ref[n, t]
+
+      @pl.when(dst >= 0)
+      def _():
+        pool_ref.at[dst, h, rows][...] = s.astype(pool_ref.dtype)
+
+  @pl.when(read_slot < 0)
+  def _():
+    for t in range(steps):
+      o_ref.at[n, t, h, rows][...] = plgpu.layout_cast(jnp.zeros((BLOCK_V,), o_ref.dtype), row)
+
+
 def _launch(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool_ref, state_indices, num_accepted, *,
-            config: KdaConfig) -> jax.Array:
+            config: KdaConfig, state_io: str) -> jax.Array:
   """Runs the kernel on ``[N, 1 + S, ...]`` inputs (``num_accepted`` None: one token, read column 0);
   writes the pool ref, returns ``o``."""
   n, steps, h, kdim = q.shape
@@ -105,32 +174,31 @@ def _launch(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool_ref, state_indices, n
   scale = kdim ** -0.5 if config.scale is None else config.scale
   state_dtype = pool_ref.dtype
   speculative = num_accepted is not None
-  body = functools.partial(_decode_body, steps=steps, speculative=speculative, scale=scale,
-                           lower_bound=config.lower_bound)
-  kernel = plgpu.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct((n, steps, h, vdim), q.dtype),
-      grid=(vdim // BLOCK_V, h, n),
-      grid_names=("vb", "h", "n"),
-      scratch_types=(
-          plgpu.SMEM((steps, kdim), q.dtype),
-          plgpu.SMEM((steps, kdim), k.dtype),
-          plgpu.SMEM((steps, kdim), g_raw.dtype),
-          plgpu.SMEM((steps, BLOCK_V), v.dtype),
-          plgpu.SMEM((kdim,), dt_bias.dtype),
-          plgpu.SMEM((BLOCK_V, kdim), state_dtype, transforms=_util.smem_transforms(state_dtype, kdim)),
-          plgpu.SMEM((steps, BLOCK_V), q.dtype),
-          plgpu.Barrier(num_barriers=6),
-      ),
-  )
+  statics = dict(steps=steps, speculative=speculative, scale=scale, lower_bound=config.lower_bound)
+  if state_io == "direct":
+    body, scratch = functools.partial(_direct_body, **statics), ()
+  else:
+    body = functools.partial(_tma_body, **statics)
+    scratch = (
+        plgpu.SMEM((steps, kdim), q.dtype),
+        plgpu.SMEM((steps, kdim), k.dtype),
+        plgpu.SMEM((steps, kdim), g_raw.dtype),
+        plgpu.SMEM((steps, BLOCK_V), v.dtype),
+        plgpu.SMEM((kdim,), dt_bias.dtype),
+        plgpu.SMEM((BLOCK_V, kdim), state_dtype, transforms=_util.smem_transforms(state_dtype, kdim)),
+        plgpu.SMEM((steps, BLOCK_V), q.dtype),
+        plgpu.Barrier(num_barriers=6),
+    )
+  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((n, steps, h, vdim), q.dtype),
+                        grid=(vdim // BLOCK_V, h, n), grid_names=("vb", "h", "n"), scratch_types=scratch)
   # The one-token kernel never reads num_accepted: pass the slots in its place rather than build an array.
   accepted = num_accepted.astype(jnp.int32) if speculative else state_indices
   return kernel(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_indices, accepted, pool_ref)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "state_io"))
 def _decode(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, state_indices, num_accepted, *,
-            config: KdaConfig, interpret: bool):
+            config: KdaConfig, interpret: bool, state_io: str):
   single = q.ndim == 3
   if single:
     q, k, v, g_raw, beta_raw = (x[:, None] for x in (q, k, v, g_raw, beta_raw))
@@ -138,14 +206,19 @@ def _decode(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, state_indices,
   with _interpret.interpret_mode(interpret):
     pool_ref = jax.new_ref(state_pool)
     o = _launch(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool_ref, state_indices.astype(jnp.int32),
-                num_accepted, config=config)
+                num_accepted, config=config, state_io=state_io)
   return (o[:, 0] if single else o), pool_ref[...]
+
+
+def choose_state_io(programs: int) -> str:
+  """The default state / IO path for a grid of ``programs`` programs: "direct" up to ``DIRECT_MAX_PROGRAMS``."""
+  return "direct" if programs <= DIRECT_MAX_PROGRAMS else "tma"
 
 
 def kda_decode_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_raw: jax.Array,
                       A_log: jax.Array, dt_bias: jax.Array, state_pool: jax.Array, state_indices: jax.Array,
-                      num_accepted: jax.Array | None, *, config: KdaConfig,
-                      interpret: bool) -> tuple[jax.Array, jax.Array]:
+                      num_accepted: jax.Array | None, *, config: KdaConfig, interpret: bool,
+                      state_io: str | None = None) -> tuple[jax.Array, jax.Array]:
   """Kernel path of ``kda_decode``: inputs already validated by the public API (same shapes and meaning).
 
   Args:
@@ -155,15 +228,23 @@ def kda_decode_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array
     state_indices: ``[N]`` or ``[N, 1 + S]`` int32; num_accepted: ``[N]`` int32 (speculative form) or None.
     config: ``KdaConfig`` (gate kind, scale, state dtype).
     interpret: run in Mosaic GPU interpret mode (CPU).
+    state_io: how state, inputs and ``o`` move: "tma" (TMA through SMEM, for bandwidth-bound grids),
+      "direct" (plain global loads and stores into registers, for latency-bound grids), or None for
+      ``choose_state_io(V / 64 * H * N)``. Both give the same results.
 
   Returns:
     ``o`` (q's shape with V last, q's dtype) and the new pool.
 
   Raises:
+    ValueError: ``state_io`` not None or one of ``STATE_IO``.
     NotImplementedError: ``V`` not a multiple of 64, or ``K`` not a multiple of 8 (the WGMMA tile).
   """
   vdim, kdim = state_pool.shape[-2:]
+  if state_io is not None and state_io not in STATE_IO:
+    raise ValueError(f"state_io must be None or one of {STATE_IO}, got {state_io!r}")
   if vdim % BLOCK_V or kdim % 8:
     raise NotImplementedError(f"the decode kernel needs V % {BLOCK_V} == 0 and K % 8 == 0, got V={vdim}, K={kdim}")
+  if state_io is None:
+    state_io = choose_state_io(vdim // BLOCK_V * q.shape[-2] * q.shape[0])
   return _decode(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, state_indices, num_accepted,
-                 config=config, interpret=interpret)
+                 config=config, interpret=interpret, state_io=state_io)
