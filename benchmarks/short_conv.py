@@ -2,7 +2,9 @@
 
 Issue [6/9] item 3 allows a pure-JAX short convolution "if a benchmark shows it is not the bottleneck".
 This script measures that: ``short_conv_prefill`` against ``kda_prefill`` (impl pallas) on the same tokens,
-and ``short_conv_update`` against ``kda_decode`` (impl pallas, f32 state) on the same batch. The conv runs over
+and ``short_conv_update`` against ``kda_decode`` (impl pallas, f32 state) on the same batch. Decode rows time the
+conv twice, the Mosaic GPU kernel (``impl="pallas"``, the default on Hopper, used for ``conv share``) and the
+pure-JAX ``impl="xla"``, and print both and ``xla/pallas``, the kernel's speedup. The conv runs over
 the packed q|k|v projection (``D = 3 H K`` channels, width W = 4, SiLU, bf16 rows and bf16 conv pool, the K3
 defaults), reading and writing its conv-state slots in place (donated pool); the KDA op reads and writes its
 state slots in place.
@@ -80,15 +82,16 @@ def kda_prefill_ms(lens, h: int, iters: int) -> float:
   return device_ms(step, jnp.asarray(x["h0"]), [None], iters)
 
 
-def conv_decode_ms(n: int, h: int, rot: int, iters: int) -> float:
-  """``short_conv_update`` of ``n`` rows of ``3 h K`` channels, slots rotated over ``rot`` blocks of ``n``."""
+def conv_decode_ms(n: int, h: int, rot: int, iters: int, impl: str) -> float:
+  """``short_conv_update(impl=impl)`` of ``n`` rows of ``3 h K`` channels, slots rotated over ``rot`` blocks of
+  ``n``."""
   rng = np.random.default_rng(1)
   d = 3 * h * K
   x = jnp.asarray(rng.standard_normal((n, d)), BF16)
   weight = jnp.asarray(rng.standard_normal((d, W)) / np.sqrt(W), BF16)
   feeds = [jnp.asarray(r * n + rng.permutation(n), jnp.int32) for r in range(rot)]
-  step = jax.jit(lambda pool, slots: short_conv.short_conv_update(x, weight, conv_pool=pool, state_indices=slots),
-                 donate_argnums=(0,))
+  step = jax.jit(lambda pool, slots: short_conv.short_conv_update(x, weight, conv_pool=pool, state_indices=slots,
+                                                                   impl=impl), donate_argnums=(0,))
   pool = jnp.asarray(rng.standard_normal((n * rot, W - 1, d)), BF16)
   return device_ms(step, pool, feeds, iters)
 
@@ -100,22 +103,26 @@ def main(argv: list[str] | None = None) -> None:
   faulthandler.dump_traceback_later(540, exit=True)
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
   rows = []
-  print(f"{'phase':>7} {'shape':>18} | {'conv us':>9} {'GB/s':>6} {'copy%':>5} | {'KDA op us':>9} | {'conv share':>10}")
+  print(f"{'phase':>7} {'shape':>18} | {'conv us':>9} {'GB/s':>6} {'copy%':>5} | {'xla us':>8} {'xla/pallas':>10} | "
+        f"{'KDA op us':>9} | {'conv share':>10}")
 
   def report(**row):
     row["conv_share"] = row["conv_us"] / (row["conv_us"] + row["kda_us"])
     rows.append(row)
     shape = f"N={row['N']} T={row['T']} H={row['H']}"
+    xla = (f"{row['conv_xla_us']:8.1f} {row['conv_xla_us'] / row['conv_us']:10.2f}" if "conv_xla_us" in row
+           else f"{'-':>8} {'-':>10}")
     print(f"{row['phase']:>7} {shape:>18} | {row['conv_us']:9.1f} {row['conv_gbps']:6.0f} "
-          f"{100 * row['conv_gbps'] / (kda_decode.COPY_TBPS * 1e3):5.1f} | {row['kda_us']:9.1f} | "
+          f"{100 * row['conv_gbps'] / (kda_decode.COPY_TBPS * 1e3):5.1f} | {xla} | {row['kda_us']:9.1f} | "
           f"{row['conv_share']:10.1%}", flush=True)
 
   for n, h in ((1, 96), (256, 96), (8, 96), (64, 96), (256, 11)):
     rot, iters = kda_decode.rotation_plan(n * h * K * K * 4)
-    conv = conv_decode_ms(n, h, rot, iters)
+    conv = conv_decode_ms(n, h, rot, iters, "pallas")
+    conv_xla = conv_decode_ms(n, h, rot, iters, "xla")
     data, slots = kda_decode.make_inputs(n, h, rot, jnp.float32)
     op = kda_decode.time_ours(data, slots, jnp.float32, iters)[0]
-    report(phase="decode", N=n, T=n, H=h, conv_us=conv * 1e3, kda_us=op * 1e3,
+    report(phase="decode", N=n, T=n, H=h, conv_us=conv * 1e3, conv_xla_us=conv_xla * 1e3, kda_us=op * 1e3,
            conv_gbps=conv_bytes(n, n, 3 * h * K) / (conv * 1e-3) / 1e9)
   for lens, h in (((8192,), 96), ((1024,) * 8, 96), ((8192,), 11)):
     conv = conv_prefill_ms(lens, h, iters=20)

@@ -1,6 +1,8 @@
 """Short causal depthwise convolution (width W, SiLU) of the packed q|k|v projection, with a conv state pool.
 
-Pure JAX: the op reads and writes ``T * D`` elements once, far below the cost of the KDA kernels around it.
+Prefill is pure JAX: it reads and writes ``T * D`` elements once, far below the cost of the KDA kernels
+around it. Decode (``short_conv_update``) has a Mosaic GPU kernel (``short_conv_kernel``): as several XLA
+kernels (gather, conv, scatter) it ran at 2-9% of copy bandwidth on an H200.
 
 Conv state pool layout: ``conv_pool [P, W - 1, D]``: slot ``s`` holds the last ``W - 1`` *pre-conv* input
 rows of its sequence, oldest first (row ``W - 2`` is the most recent token). Its dtype is chosen by the
@@ -16,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _util
-from pallas_kernels.kda import checks
+from pallas_kernels.kda import checks, short_conv_kernel
 
 ACTIVATIONS = ("silu", None)
 
@@ -138,8 +140,8 @@ def _prefill(x, weight, cu_seqlens, conv_pool, state_indices, has_initial_state,
 
 
 def short_conv_update(x: jax.Array, weight: jax.Array, *, conv_pool: jax.Array, state_indices: jax.Array,
-                      num_accepted: jax.Array | None = None,
-                      activation: str | None = "silu") -> tuple[jax.Array, jax.Array]:
+                      num_accepted: jax.Array | None = None, activation: str | None = "silu",
+                      impl: str | None = None) -> tuple[jax.Array, jax.Array]:
   """Decode step(s) of the causal depthwise conv on conv pool slots.
 
   Two forms, as ``kda_decode``:
@@ -157,18 +159,26 @@ def short_conv_update(x: jax.Array, weight: jax.Array, *, conv_pool: jax.Array, 
     state_indices: ``[N]`` or ``[N, 1 + S]`` int, in ``[-1, P)``.
     num_accepted: ``[N]`` int, required with (and only with) the speculative form.
     activation: ``"silu"`` or None.
+    impl: ``"pallas"`` (the Mosaic GPU kernel, Hopper only), ``"interpret"`` (the same kernel in Mosaic GPU
+      interpret mode, CPU), ``"xla"`` (pure JAX) or None: ``"pallas"`` on a Hopper GPU, else ``"xla"``.
+      The kernel needs ``D % 128 == 0``; it updates the pool in place when an enclosing jit donates it.
 
   Returns:
     ``y`` (x's shape and dtype) and the new ``conv_pool`` (same shape and dtype).
 
   Raises:
-    ValueError: on a bad shape, dtype or value (values are checked when they are concrete), or when one
-      slot would be written twice.
+    ValueError: on a bad shape, dtype, value (values are checked when they are concrete) or impl, or when
+      one slot would be written twice.
+    NotImplementedError: a kernel impl with ``D`` not a multiple of 128.
   """
   speculative = x.ndim == 3
+  impl = _util.canonical_impl(impl)
   _check_common(x, weight, conv_pool, activation, {2: "[N, D]", 3: "[N, 1 + S, D]"})
   checks.check_decode_indices("x", x.shape, speculative, conv_pool.shape[0], "conv_pool",
                               state_indices=state_indices, num_accepted=num_accepted, int_dtypes=_util.INT_DTYPES)
+  if impl != "xla":
+    return short_conv_kernel.short_conv_update_mosaic(x, weight, conv_pool, state_indices, num_accepted,
+                                                      activation=activation, interpret=impl == "interpret")
   if not speculative:
     x, state_indices = x[:, None], state_indices[:, None]
     num_accepted = jnp.ones((x.shape[0],), jnp.int32)
