@@ -1,5 +1,5 @@
-"""The short conv decode Mosaic GPU kernel (interpret mode on CPU, compiled on a Hopper GPU) vs a float64 oracle
-and vs the pure-JAX ``short_conv_update(impl="xla")``."""
+"""The short conv decode Mosaic GPU kernel (interpret mode on CPU, compiled on a Hopper GPU: the ``kernel_impl``
+fixture) vs a float64 oracle and vs the pure-JAX ``short_conv_update(impl="xla")``."""
 
 import functools
 
@@ -57,8 +57,8 @@ def _inputs(seed, n, steps, d, num_slots, dtype, pool_dtype, poison=()):
   return x, weight, pool
 
 
-def _kernel(x, weight, pool, slots, accepted, *, activation="silu", block_rows=None, single=False):
-  """The kernel in interpret mode on one device (interpret mode keeps per-device barrier state)."""
+def _kernel(x, weight, pool, slots, accepted, *, impl, activation="silu", block_rows=None, single=False):
+  """The kernel (``impl`` pallas or interpret) on one device (interpret mode keeps per-device barrier state)."""
   put = functools.partial(jax.device_put, device=jax.devices()[0])
   slots = put(np.asarray(slots, np.int32))
   if single:
@@ -66,7 +66,7 @@ def _kernel(x, weight, pool, slots, accepted, *, activation="silu", block_rows=N
   else:
     accepted = put(np.asarray(accepted, np.int32))
   y, new_pool = short_conv_kernel.short_conv_update_mosaic(put(x), put(weight), put(pool), slots, accepted,
-                                                           activation=activation, interpret=True,
+                                                           activation=activation, interpret=impl == "interpret",
                                                            block_rows=block_rows)
   assert y.shape == x.shape and y.dtype == x.dtype
   assert new_pool.shape == pool.shape and new_pool.dtype == pool.dtype
@@ -97,12 +97,12 @@ def _check(y, new_pool, y_ref, pool_ref, *, dtype, dead_rows, untouched, pool):
     (BF16, F32, 1536, (512, 2)),
     (F32, BF16, 384, None),
 ])
-def test_one_token_matches_oracle(dtype, pool_dtype, d, block_rows):
+def test_one_token_matches_oracle(kernel_impl, dtype, pool_dtype, d, block_rows):
   n, num_slots = 4, 8
   untouched = [1, 3, 4, 6, 7]
   x, weight, pool = _inputs(0, n, 1, d, num_slots, dtype, pool_dtype, poison=untouched)
   slots = np.asarray([[5], [-1], [0], [2]])  # the -1 row outputs 0 and touches nothing
-  y, new_pool = _kernel(x, weight, pool, slots, None, block_rows=block_rows, single=True)
+  y, new_pool = _kernel(x, weight, pool, slots, None, impl=kernel_impl, block_rows=block_rows, single=True)
   y_ref, pool_ref = _oracle(x, weight, pool, slots, [1] * n)
   _check(y, new_pool, y_ref, pool_ref, dtype=dtype, dead_rows=[1], untouched=untouched, pool=pool)
 
@@ -112,7 +112,7 @@ def test_one_token_matches_oracle(dtype, pool_dtype, d, block_rows):
     (BF16, BF16, None, 1024, (128, 2)),
     (F32, BF16, "silu", 1536, (1024, 2)),  # x rows rounded to the pool dtype when written; a last block of 512
 ])
-def test_speculative_matches_oracle(dtype, pool_dtype, activation, d, block_rows):
+def test_speculative_matches_oracle(kernel_impl, dtype, pool_dtype, activation, d, block_rows):
   n, steps, num_slots = 3, 3, 12
   # Row 0 resumes from its 2nd column (slot 1, also written by it); row 1's read slot is -1 (padding: its
   # other slots stay untouched); row 2 skips writing column 1. Slot 10 is NaN and never read or written.
@@ -120,14 +120,15 @@ def test_speculative_matches_oracle(dtype, pool_dtype, activation, d, block_rows
   accepted = [2, 1, 3]
   untouched = [3, 4, 5, 7, 9, 10, 11]
   x, weight, pool = _inputs(1, n, steps, d, num_slots, dtype, pool_dtype, poison=untouched)
-  y, new_pool = _kernel(x, weight, pool, slots, accepted, activation=activation, block_rows=block_rows)
+  y, new_pool = _kernel(x, weight, pool, slots, accepted, impl=kernel_impl, activation=activation,
+                        block_rows=block_rows)
   y_ref, pool_ref = _oracle(x, weight, pool, slots, accepted, activation=activation)
   _check(y, new_pool, y_ref, pool_ref, dtype=dtype, dead_rows=[1], untouched=untouched, pool=pool)
 
 
 @pytest.mark.parametrize("speculative", [False, True])
-def test_public_api_matches_xla(speculative):
-  """``short_conv_update(impl="interpret")`` vs ``impl="xla"``, two steps in a row under jit (pool donated)."""
+def test_public_api_matches_xla(kernel_impl, speculative):
+  """``short_conv_update(impl=kernel)`` vs ``impl="xla"``, two steps in a row under jit (pool donated)."""
   n, steps, d, num_slots = 3, 2 if speculative else 1, 256, 8
   x, weight, pool = _inputs(2, n, steps, d, num_slots, BF16, BF16, poison=[6])
   slots = jnp.asarray([[0, 1], [-1, 2], [4, 5]] if speculative else [[1], [-1], [4]], jnp.int32)
@@ -135,7 +136,7 @@ def test_public_api_matches_xla(speculative):
   if not speculative:
     x, slots = x[:, 0], slots[:, 0]
   outs = {}
-  for impl in ("xla", "interpret"):
+  for impl in ("xla", kernel_impl):
     step = jax.jit(functools.partial(short_conv_update, weight=jnp.asarray(weight), state_indices=slots,
                                      num_accepted=accepted, impl=impl), donate_argnames="conv_pool")
     p = jnp.asarray(pool)
@@ -144,7 +145,7 @@ def test_public_api_matches_xla(speculative):
       y, p = step(jnp.asarray(x), conv_pool=p)
       ys.append(np.asarray(y, np.float32))
     outs[impl] = ys, np.asarray(p)
-  (ys_ref, p_ref), (ys, p) = outs["xla"], outs["interpret"]
+  (ys_ref, p_ref), (ys, p) = outs["xla"], outs[kernel_impl]
   for y, y_ref in zip(ys, ys_ref):
     # The same f32 math in a different order, both rounded to bf16: at most one ulp apart.
     np.testing.assert_allclose(y, y_ref, **BF16_TOL)
@@ -162,10 +163,10 @@ def test_rejects_unsupported_channels_and_bad_impl():
     short_conv_update(*args, **kw, impl="triton")
 
 
-def test_empty_batch():
+def test_empty_batch(kernel_impl):
   _, weight, pool = _inputs(3, 1, 1, 256, 2, F32, F32)
   y, new_pool = short_conv_update(jnp.zeros((0, 256)), jnp.asarray(weight), conv_pool=jnp.asarray(pool),
-                                  state_indices=jnp.zeros((0,), jnp.int32), impl="interpret")
+                                  state_indices=jnp.zeros((0,), jnp.int32), impl=kernel_impl)
   assert y.shape == (0, 256) and y.dtype == jnp.float32
   _assert_bitwise_equal(new_pool, pool)
 
