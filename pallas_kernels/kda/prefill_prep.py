@@ -20,14 +20,17 @@ exponent of −inf before ``exp2``, so no factor ever overflows.
 L inside each 2s-block (``(P_s F_s)² = 0``), i.e. exact block forward substitution in five levels of
 64×64 matmuls, with no power series (whose intermediate powers cancel catastrophically).
 
-The cumulative sum over tokens is a matmul with a lower-triangular ones matrix, and the anchored exponent
-``G_r − ν_b(r)`` a matmul with a ±1 matrix (exact, no per-row selection in registers); to keep both at f32
-accuracy the gate is split into three bf16 parts (``g = g1 + g2 + g3`` exactly to 24 bits) and the three
-products accumulate in f32.
+The cumulative sum over tokens is a matmul with a lower-triangular ones matrix; to keep it at f32
+accuracy the gate is split into bf16 parts that accumulate in f32: two with the lower-bound gate (16 bits:
+|g| <= 7.3 per token, so G is off by at most 64 · 7.3 · 2^-18 ≈ 2e-3 and typically 1e-4), three with the
+unbounded softplus gate. The anchored exponent ``G_r − ν_b`` is a difference of two such sums.
 
-SMEM is reused across four phases of disjoint lifetimes (a ``RefUnion``); nothing may be read from a
-phase's buffers once the next phase has started writing (interpret mode does not alias the union, so
-such a read only fails on the GPU).
+SMEM is sized for two programs per SM (about 98 KB with the lower-bound gate): buffers of disjoint
+lifetimes share memory through ``RefUnion``s (raw q | Qt | P and F; raw k | Kd | X and Aqk; raw v | βv
+then U; raw g | gate parts | G rows | βk then W, and the qg/kg staging that then holds the key tiles two
+blocks at a time). Each hand-over is separated by a warpgroup barrier; nothing may be read through one
+member once another has written (interpret mode does not alias the union, so such a read only fails on
+the GPU).
 """
 
 import functools
@@ -93,24 +96,28 @@ def load_l2norm(ref, row_factor: jax.Array) -> jax.Array:
   return x * bcast_rows(inv, x.shape)
 
 
-def split3(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Three bf16 parts whose f32 sum is ``x`` to 24 bits."""
-  x1 = x.astype(bf16)
-  r1 = x - x1.astype(f32)
-  x2 = r1.astype(bf16)
-  x3 = (r1 - x2.astype(f32)).astype(bf16)
-  return x1, x2, x3
+def split(x: jax.Array, parts: int) -> list[jax.Array]:
+  """``parts`` bf16 values whose f32 sum is ``x`` to about ``8 * parts`` bits."""
+  out = []
+  for _ in range(parts):
+    p = x.astype(bf16)
+    out.append(p)
+    x = x - p.astype(f32)
+  return out
 
 
 def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_ref,
                qg_ref, kg_ref, wn_ref, u_ref, aqk_ref, gam_ref,
-               raw_q, raw_k, raw_v, bk_s, bv_s, qg_s, kg_s, anc_s, uni, bar_g, bar_qkv, *,
+               x_q, x_k, x_v, y, anc_s, bar_g, bar_qkv, *,
                K: int, V: int, scale: float, lower_bound: float | None):
   # Register budget: one [C, K] f32 array is 64 registers per thread, so row-dependent factors stay
   # per-row vectors (2 registers) and column-dependent ones per-column vectors, broadcast where used.
   bounded = lower_bound is not None
   off = SUB // 2 if bounded else 0  # anchor row inside each 16-row block
-  ph_gate, ph_diag, ph_tiles, ph_inv = uni
+  raw_q, qt_s, (p_s, f_s) = x_q
+  raw_k, kd_s, (x_s, aqk_s) = x_k
+  raw_v, bv_s = x_v
+  raw_g, (gsplit, tril), ph_diag, (bk_s, st0, st1) = y
   c = lax.axis_index("c")
   h = lax.axis_index("h")
   t0 = tok_ref[c]
@@ -118,17 +125,9 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
 
   @pl.when(n > 0)
   def _():
-    raw_g, gsplit, tril, anch = ph_gate
     plgpu.copy_gmem_to_smem(g_ref.at[pl.ds(t0, C), h], raw_g, bar_g.at[0])
     for src, dst in ((q_ref, raw_q), (k_ref, raw_k), (v_ref, raw_v)):
       plgpu.copy_gmem_to_smem(src.at[pl.ds(t0, C), h], dst, bar_qkv.at[0])
-
-    # Cumulative sums as matmuls: tril gives G[r] = sum_{s<=r} g[s]; anch gives the anchored exponent
-    # G[r] - G[a(r)] (a(r) = anchor row of r's block) exactly, as +-1 entries.
-    r_cc, c_cc = iota((C, C), 0), iota((C, C), 1)
-    upto_r = jnp.where(c_cc <= r_cc, 1.0, 0.0)
-    tril[...] = upto_r.astype(bf16)
-    anch[...] = (upto_r - jnp.where(c_cc <= (r_cc // SUB) * SUB + off, 1.0, 0.0)).astype(bf16)
     rowv = plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=ROWV)
     validf = jnp.where(rowv < n, 1.0, 0.0)
     a = jnp.exp(alog_ref[h])
@@ -140,36 +139,45 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     # TMA zero fill, so a multiply masks them).
     plgpu.barrier_wait(bar_g.at[0])
     g = gate(load_rows(raw_g) + bcast_cols(dtb, (C, K)), a, lower_bound) * bcast_rows(validf * LOG2E, (C, K))
-    for dst, part in zip(gsplit, split3(g)):
+    plgpu.commit_smem()  # raw_g is read in every warp before its memory takes the split gate
+
+    # G[r] = sum_{s<=r} g[s] as a matmul with a lower-triangular ones matrix, g split into bf16 parts.
+    r_cc, c_cc = iota((C, C), 0), iota((C, C), 1)
+    tril[...] = jnp.where(c_cc <= r_cc, 1.0, 0.0).astype(bf16)
+    for dst, part in zip(gsplit, split(g, len(gsplit))):
       dst[...] = part
     plgpu.commit_smem()
+    G = matmul([(tril, part) for part in gsplit], (C, K))
+    plgpu.commit_smem()  # the cumsum's operands are dead in every warp before g_pad reuses their memory
 
-    def cumsums(acc_g, acc_e):
-      for part in gsplit:
-        plgpu.wgmma(acc_g, tril, part)
-        plgpu.wgmma(acc_e, anch, part)
-      return acc_g[...], acc_e[...]
-
-    G, G_anch = pl.run_scoped(cumsums, plgpu.ACC((C, K), f32), plgpu.ACC((C, K), f32))
-
-    # G rows are read back as per-column vectors (anchors, last row) from an f32 copy; the anchors move to
-    # anc_s, outside the phase union, because the tiles phase overwrites g_pad's memory.
+    # G rows read back as per-column vectors (anchors, last row) from an f32 copy; the anchors move to
+    # anc_s, outside the union, because the tiles overwrite g_pad's memory.
     g_pad, k_pad = ph_diag.at[0], None if bounded else ph_diag.at[1]
     g_pad[pl.ds(SUB, C), :] = G
     plgpu.commit_smem()
     g_last = plgpu.load(g_pad.at[SUB + C - 1], layout=COLV, optimized=False)
     for b in range(NSUB):
       anc_s[b] = plgpu.load(g_pad.at[SUB + b * SUB + off], layout=COLV, optimized=False)
+    # Row factor 2^(G[r] - G[anchor of r's block]): each 16-row block is one warp's rows.
+    blk = iota((C, K), 0) // SUB
+    ex = G
+    for b in range(NSUB):
+      nu_b = plgpu.load(anc_s.at[b], layout=COLV, optimized=False)
+      ex = jnp.where(blk == b, G - bcast_cols(nu_b, (C, K)), ex)
+    d_row = jnp.exp2(ex)
 
     plgpu.barrier_wait(bar_qkv.at[0])
+    bv = load_rows(raw_v) * bcast_rows(beta, (C, V))
+    plgpu.commit_smem()  # raw_v read in every warp
+    bv_s[...] = bv.astype(bf16)
     q = load_l2norm(raw_q, validf * scale)
-    k = load_l2norm(raw_k, validf)
 
     r64, c64 = iota((C, C), 0), iota((C, C), 1)
     zeros_cc = plgpu.layout_cast(jnp.zeros((C, C), f32), WG)  # the accumulators' layout, explicit
     if not bounded:
       # Diagonal 16x16 blocks pairwise: A[r, r-d] from row-shifted copies of k and G. The SUB rows above
       # the copies hold stale data: row r reads them only for r < d, a row `hit` never selects.
+      k = load_l2norm(raw_k, validf)
       k_pad[pl.ds(SUB, C), :] = k
       plgpu.commit_smem()
 
@@ -186,48 +194,54 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
       aqk_acc, l_acc = lax.fori_loop(0, SUB, diag_step, (zeros_cc, zeros_cc))
     else:
       aqk_acc = l_acc = zeros_cc
-    plgpu.commit_smem()  # every shifted-row read above is done before the aliased tiles are written
+    # raw_q is read and every g_pad read is done in every warp before their memory takes the tiles.
+    plgpu.commit_smem()
 
     # Tiles. Every factor is a pairwise-safe exponent (kda.md §4.3): 2^(G - G_anchor) bounded by ±58
     # (lower-bound gate) or <= 1 (softplus gate), 2^G, 2^(G_last - G) and the keys' 2^(ν_b - G) <= 2^58,
     # with keys past block b cut to 2^-inf = 0 by a per-row -inf added to the exponent.
-    qt_s, kd_s, kb_s = ph_tiles
-    d_row = jnp.exp2(G_anch)
-    qt_s[...] = (q * d_row).astype(bf16)
-    kd_s[...] = (k * d_row).astype(bf16)
     gamma_row = jnp.exp2(G)
-    qg_s[...] = (q * gamma_row).astype(bf16)
+    qt_s[...] = (q * d_row).astype(bf16)
+    st0[...] = (q * gamma_row).astype(bf16)
+    if bounded:
+      k = load_l2norm(raw_k, validf)
+      plgpu.commit_smem()  # raw_k read in every warp
+    kd_s[...] = (k * d_row).astype(bf16)
     bk_s[...] = (k * gamma_row * bcast_rows(beta, (C, K))).astype(bf16)
-    kg_s[...] = (k * jnp.exp2(bcast_cols(g_last, (C, K)) - G)).astype(bf16)
-    blocks = range(NSUB) if bounded else range(1, NSUB)
-    for b in blocks:
-      nu_b = plgpu.load(anc_s.at[b], layout=COLV, optimized=False)
-      cut = jnp.where(rowv < (b + 1 if bounded else b) * SUB, 0.0, -jnp.inf)
-      ex = bcast_cols(nu_b, (C, K)) - G + bcast_rows(cut, (C, K))
-      kb_s[b][...] = (k * jnp.exp2(ex)).astype(bf16)
-    bv_s[...] = (load_rows(raw_v) * bcast_rows(beta, (C, V))).astype(bf16)
+    st1[...] = (k * jnp.exp2(bcast_cols(g_last, (C, K)) - G)).astype(bf16)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(qg_s, qg_ref.at[c, h])
-    plgpu.copy_smem_to_gmem(kg_s, kg_ref.at[c, h])
+    plgpu.copy_smem_to_gmem(st0, qg_ref.at[c, h])
+    plgpu.copy_smem_to_gmem(st1, kg_ref.at[c, h])
     gam_ref[c, h] = jnp.exp2(g_last)
 
-    # Block row b of Aqk and L from the keys of kb_s[b] (block rows are selected after the matmul).
-    def block_products(acc_a, acc_l):
-      plgpu.wgmma(acc_a, qt_s, kb_s[b].T)
-      plgpu.wgmma(acc_l, kd_s, kb_s[b].T)
-      return acc_a[...], acc_l[...]
+    # Block row b of Aqk and L from the keys of block b (block rows are selected after the matmul); the
+    # key tiles take st0/st1 in pairs once the qg/kg stores have read them.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    blocks = list(range(NSUB)) if bounded else list(range(1, NSUB))
+    for i in range(0, len(blocks), 2):
+      pair = list(zip(blocks[i:i + 2], (st0, st1)))
+      for b, kb_s in pair:
+        nu_b = plgpu.load(anc_s.at[b], layout=COLV, optimized=False)
+        cut = jnp.where(rowv < (b + 1 if bounded else b) * SUB, 0.0, -jnp.inf)
+        kb_s[...] = (k * jnp.exp2(bcast_cols(nu_b, (C, K)) - G + bcast_rows(cut, (C, K)))).astype(bf16)
+      plgpu.commit_smem()
+      for b, kb_s in pair:
+        def block_products(acc_a, acc_l, kb_s=kb_s):
+          plgpu.wgmma(acc_a, qt_s, kb_s.T)
+          plgpu.wgmma(acc_l, kd_s, kb_s.T)
+          return acc_a[...], acc_l[...]
 
-    for b in blocks:
-      aqk_b, l_b = pl.run_scoped(block_products, plgpu.ACC((C, C), f32), plgpu.ACC((C, C), f32))
-      sel = r64 // SUB == b
-      aqk_acc = jnp.where(sel, aqk_b + aqk_acc, aqk_acc)
-      l_acc = jnp.where(sel, l_b + l_acc, l_acc)
-    aqk = jnp.where(c64 <= r64, aqk_acc, 0.0)
+        aqk_b, l_b = pl.run_scoped(block_products, plgpu.ACC((C, C), f32), plgpu.ACC((C, C), f32))
+        sel = r64 // SUB == b
+        aqk_acc = jnp.where(sel, aqk_b + aqk_acc, aqk_acc)
+        l_acc = jnp.where(sel, l_b + l_acc, l_acc)
+      plgpu.commit_smem()  # every warp's products have read the key tiles (and qt_s, kd_s)
+    aqk_s[...] = jnp.where(c64 <= r64, aqk_acc, 0.0).astype(bf16)
     lmat = jnp.where(c64 < r64, bcast_rows(beta, (C, C)) * l_acc, 0.0)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(aqk_s, aqk_ref.at[c, h])
 
     # (I + L)^-1 by recursive block doubling.
-    p_s, f_s, x_s, aqk_s, wn_s, u_s = ph_inv
-    aqk_s[...] = aqk.astype(bf16)
     p = jnp.where(c64 == r64, 1.0, 0.0) - jnp.where((r64 // 2 == c64 // 2), lmat, 0.0)
     s = 2
     while s < C:
@@ -240,12 +254,19 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
       s *= 2
     p_s[...] = p.astype(bf16)
     plgpu.commit_smem()
-    wn_s[...] = (-matmul([(p_s, bk_s)], (C, K))).astype(bf16)
-    u_s[...] = matmul([(p_s, bv_s)], (C, V)).astype(bf16)
+
+    def w_and_u(acc_w, acc_u):
+      plgpu.wgmma(acc_w, p_s, bk_s)
+      plgpu.wgmma(acc_u, p_s, bv_s)
+      return acc_w[...], acc_u[...]
+
+    w, u = pl.run_scoped(w_and_u, plgpu.ACC((C, K), f32), plgpu.ACC((C, V), f32))
+    plgpu.commit_smem()  # every warp's W/U matmuls have read bk_s and bv_s: they take W and U in place
+    bk_s[...] = (-w).astype(bf16)
+    bv_s[...] = u.astype(bf16)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(aqk_s, aqk_ref.at[c, h])
-    plgpu.copy_smem_to_gmem(wn_s, wn_ref.at[c, h])
-    plgpu.copy_smem_to_gmem(u_s, u_ref.at[c, h])
+    plgpu.copy_smem_to_gmem(bk_s, wn_ref.at[c, h])
+    plgpu.copy_smem_to_gmem(bv_s, u_ref.at[c, h])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -271,21 +292,18 @@ def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_t: jax
   out_type = (jax.ShapeDtypeStruct((S, H, C, K), bf16), jax.ShapeDtypeStruct((S, H, C, K), bf16),
               jax.ShapeDtypeStruct((S, H, C, K), bf16), jax.ShapeDtypeStruct((S, H, C, V), bf16),
               jax.ShapeDtypeStruct((S, H, C, C), bf16), jax.ShapeDtypeStruct((S, H, K), f32))
-  ph_gate = (plgpu.SMEM((C, K), g_raw.dtype), [tiled((C, K)) for _ in range(3)], tiled((C, C)), tiled((C, C)))
+  parts = 2 if bounded else 3
+  x_q = plgpu.RefUnion(plgpu.SMEM((C, K), q.dtype), tiled((C, K)), (tiled((C, C)), tiled((C, C))))
+  x_k = plgpu.RefUnion(plgpu.SMEM((C, K), k.dtype), tiled((C, K)), (tiled((C, C)), tiled((C, C))))
+  x_v = plgpu.RefUnion(plgpu.SMEM((C, V), v.dtype), tiled((C, V)))
   # G rows and (pairwise diagonal only) k rows in one allocation: the row-vector reads of G pin it to a plain
   # row-major layout; a separate k buffer would get a swizzled tiling from layout inference, which the
   # row-shifted reads (offsets not a multiple of the tile) do not survive on the GPU.
   ph_diag = plgpu.SMEM((1 if bounded else 2, SUB + C, K), f32)
-  ph_tiles = (tiled((C, K)), tiled((C, K)), [tiled((C, K)) for _ in range(NSUB)])
-  ph_inv = (tiled((C, C)), tiled((C, C)), tiled((C, C)), tiled((C, C)), tiled((C, K)), tiled((C, V)))
-  scratch = [
-      plgpu.SMEM((C, K), q.dtype), plgpu.SMEM((C, K), k.dtype), plgpu.SMEM((C, V), v.dtype),
-      tiled((C, K)), tiled((C, V)), tiled((C, K)), tiled((C, K)), plgpu.SMEM((NSUB, K), f32),
-      # Gate/cumsum -> G rows (and the pairwise diagonal) -> tiles and Aqk/L -> inverse and W/U: the four
-      # phases have disjoint lifetimes (each is separated from the next by a warpgroup barrier).
-      plgpu.RefUnion(ph_gate, ph_diag, ph_tiles, ph_inv),
-      plgpu.Barrier(num_arrivals=1, num_barriers=1), plgpu.Barrier(num_arrivals=3, num_barriers=1),
-  ]
+  y = plgpu.RefUnion(plgpu.SMEM((C, K), g_raw.dtype), ([tiled((C, K)) for _ in range(parts)], tiled((C, C))),
+                     ph_diag, (tiled((C, K)), tiled((C, K)), tiled((C, K))))
+  scratch = [x_q, x_k, x_v, y, plgpu.SMEM((NSUB, K), f32),
+             plgpu.Barrier(num_arrivals=1, num_barriers=1), plgpu.Barrier(num_arrivals=3, num_barriers=1)]
   body = functools.partial(_prep_body, K=K, V=V, scale=scale, lower_bound=lower_bound)
   return plgpu.kernel(body, out_type=out_type, grid=(S, H), grid_names=("c", "h"), scratch_types=scratch,
                       compiler_params=plgpu.CompilerParams(approx_math=True))(
