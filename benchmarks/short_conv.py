@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     conv = conv_decode_ms(n, h, rot, iters, "pallas")
     conv_xla = conv_decode_ms(n, h, rot, iters, "xla")
     data, slots = kda_decode.make_inputs(n, h, rot, jnp.float32)
-    op = kda_decode.time_ours(data, slots, jnp.float32, iters)[0]
+    op = kda_decode.time_ours(data, slots, jnp.float32, iters, None)[0]  # the default path rule
     report(phase="decode", N=n, T=n, H=h, conv_us=conv * 1e3, conv_xla_us=conv_xla * 1e3, kda_us=op * 1e3,
            conv_gbps=conv_bytes(n, n, 3 * h * K) / (conv * 1e-3) / 1e9)
   for lens, h in (((8192,), 96), ((1024,) * 8, 96), ((8192,), 11)):
