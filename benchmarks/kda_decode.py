@@ -195,7 +195,7 @@ def main():
       ours, ours_called, _, _ = min(paths.values(), key=lambda r: r[0])
       programs = V // BLOCK_V * h * n
       row = dict(N=n, H=h, state=jnp.dtype(state_dtype).name, tma_us=paths["tma"][0] * 1e3,
-                 direct_us=paths["direct"][0] * 1e3, auto=choose_state_io(programs), ours_us=ours * 1e3,
+                 direct_us=paths["direct"][0] * 1e3, auto=choose_state_io(programs, state_dtype), ours_us=ours * 1e3,
                  ours_called_us=ours_called * 1e3, gbps=2 * state_bytes / (ours * 1e-3) / 1e9,
                  kernels=sorted({name for r in paths.values() for name in r[2]}), iters=iters, rotations=rot)
       row["copy_frac"] = row["gbps"] / (COPY_TBPS * 1e3)

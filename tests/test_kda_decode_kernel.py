@@ -163,8 +163,9 @@ def test_lowers_for_cuda(state_io, n, single, lower_bound, state_dtype, dtype):
 
 
 def test_state_io_rule_and_validation():
-  assert decode_kernel.choose_state_io(decode_kernel.DIRECT_MAX_PROGRAMS) == "direct"
-  assert decode_kernel.choose_state_io(decode_kernel.DIRECT_MAX_PROGRAMS + 1) == "tma"
+  assert decode_kernel.choose_state_io(decode_kernel.DIRECT_MAX_PROGRAMS, jnp.float32) == "direct"
+  assert decode_kernel.choose_state_io(decode_kernel.DIRECT_MAX_PROGRAMS + 1, jnp.float32) == "tma"
+  assert decode_kernel.choose_state_io(1, jnp.bfloat16) == "tma"
   args, pool = _inputs(4, 1, 1, 1, 64, 64, 2)
   with pytest.raises(ValueError, match="state_io must be None or one of .*, got 'smem'"):
     kda_decode_mosaic(*[a[:, 0] if i < 5 else a for i, a in enumerate(args)], pool, jnp.asarray([0], jnp.int32),

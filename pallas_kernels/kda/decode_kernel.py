@@ -5,11 +5,12 @@ read and written once per step, while the token's own inputs are ``K``-sized vec
 (V-block of ``BV`` rows, head, sequence) brings its ``[BV, K]`` block of the V-first pool slot in, keeps it
 in f32 registers (WGMMA layout: rows = V, columns = K) for all of the sequence's tokens, and writes each
 token's state back out. Two static ways to move state, inputs and ``o`` (``state_io``): "tma" (one TMA into
-SMEM and one out per block, best when bandwidth bound) and "direct" (plain global loads and stores between
-the refs and registers, two elements per access, no SMEM or barriers: a shorter dependent chain for latency-bound
-small grids); ``DIRECT_MAX_PROGRAMS`` sets the default. The pool is updated in place: it is passed as a
-``jax.new_ref`` (``plgpu.kernel`` has no ``input_output_aliases``); like every impl of ``kda_decode`` it does
-not donate the pool itself: inside an enclosing jit that donates the pool the update happens in place.
+SMEM and one out per block, best when bandwidth bound) and "direct" (plain global loads and stores
+between the refs and registers, two elements per access, no SMEM or barriers: a shorter dependent chain for
+latency-bound small grids with an f32 state); ``choose_state_io`` sets the default. The pool is updated in
+place: it is passed as a ``jax.new_ref`` (``plgpu.kernel`` has no ``input_output_aliases``); like every impl
+of ``kda_decode`` it does not donate the pool itself: inside an enclosing jit that donates the pool the
+update happens in place.
 
 Per token, with ``S`` V-first ``[BV, K]`` (spec ``kda.md`` §3, §7), all in f32:
 ``S *= exp(g)[None, :]``, ``u = beta * (v - S k)``, ``S += u k^T``, ``o = scale * S q``; q and k are
@@ -31,10 +32,12 @@ from pallas_kernels.kda.kernel_math import L2NORM_EPS, gate
 
 BLOCK_V = 64  # rows of a WGMMA-layout register tile: one warpgroup, 64 f32 registers per thread at K = 128
 STATE_IO = ("tma", "direct")
-# ``state_io=None`` picks "direct" for grids of at most this many programs (``V / 64 * H * N``), "tma" above.
-# Small grids are latency bound: plain global loads and stores skip the SMEM hop, the barriers and the wait
-# for the TMA store. Provisional: about four programs per SM of an H200 (132 SMs); to be set from timings.
-DIRECT_MAX_PROGRAMS = 512
+# ``state_io=None`` picks "direct" for an f32 state on grids of at most this many programs
+# (``V / 64 * H * N``), "tma" otherwise. H200, K = V = 128 (benchmarks/RESULTS.md): direct was faster with
+# an f32 state at 22-192 programs (3.9 vs 4.1 us at N=1 H=11, 6.3 vs 7.2 at N=8 H=11, 6.6 vs 7.4 at N=1 H=96)
+# and slower at 1408 and above; with a bf16 state it was slower at every size (two elements per access are
+# only 4 bytes).
+DIRECT_MAX_PROGRAMS = 256
 
 
 def _token_step(s, q, k, x, v, beta, *, rate, scale: float, lower_bound: float | None, state_dtype):
@@ -210,9 +213,10 @@ def _decode(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, state_indices,
   return (o[:, 0] if single else o), pool_ref[...]
 
 
-def choose_state_io(programs: int) -> str:
-  """The default state / IO path for a grid of ``programs`` programs: "direct" up to ``DIRECT_MAX_PROGRAMS``."""
-  return "direct" if programs <= DIRECT_MAX_PROGRAMS else "tma"
+def choose_state_io(programs: int, state_dtype) -> str:
+  """The default state / IO path for a grid of ``programs`` programs (rule at ``DIRECT_MAX_PROGRAMS``)."""
+  direct = jnp.dtype(state_dtype) == jnp.float32 and programs <= DIRECT_MAX_PROGRAMS
+  return "direct" if direct else "tma"
 
 
 def kda_decode_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_raw: jax.Array,
@@ -230,7 +234,7 @@ def kda_decode_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array
     interpret: run in Mosaic GPU interpret mode (CPU).
     state_io: how state, inputs and ``o`` move: "tma" (TMA through SMEM, for bandwidth-bound grids),
       "direct" (plain global loads and stores into registers, for latency-bound grids), or None for
-      ``choose_state_io(V / 64 * H * N)``. Both give the same results.
+      ``choose_state_io(V / 64 * H * N, state dtype)``. Both give the same results.
 
   Returns:
     ``o`` (q's shape with V last, q's dtype) and the new pool.
@@ -245,6 +249,6 @@ def kda_decode_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array
   if vdim % BLOCK_V or kdim % 8:
     raise NotImplementedError(f"the decode kernel needs V % {BLOCK_V} == 0 and K % 8 == 0, got V={vdim}, K={kdim}")
   if state_io is None:
-    state_io = choose_state_io(vdim // BLOCK_V * q.shape[-2] * q.shape[0])
+    state_io = choose_state_io(vdim // BLOCK_V * q.shape[-2] * q.shape[0], state_pool.dtype)
   return _decode(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, state_indices, num_accepted,
                  config=config, interpret=interpret, state_io=state_io)
