@@ -9,9 +9,10 @@ hidden except for the smallest problems), the achieved bandwidth counting the KV
 run (bytes read + written by a 2 GiB ``jnp.copy``). The plain-XLA path (``impl="xla"``, the split-K
 reference) is timed where its f32 intermediates fit comfortably (at most 1M tokens).
 
-``merge us`` times ``merge_partials`` (the fused XLA function) on its own, on partials of the call's shape
-``[S, B, Hq, 512]`` and partial dtype, and ``of call`` is its share of the ``mla_decode`` time: the most a merge
-kernel could save (issue [5/9] item 3 asks for one only if it measures faster).
+``merge us`` is the device time (CUPTI) of the XLA kernels of one ``mla_decode`` call, i.e. everything but the
+Mosaic GPU kernel: the fused ``merge_partials`` (nothing when S = 1). ``of call`` is its share of the call's
+device time: the most a merge kernel could save (issue [5/9] item 3 asks for one only if it measures faster).
+Printed as ``-`` where CUPTI is not available (interpret mode on a CPU).
 
 The full grid (54 kernel configurations, each compiled once) takes about five minutes on the H200; pass
 ``--batch/--context/--heads`` subsets to split it over several calls.
@@ -29,7 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.mla import MlaDecodeConfig, api, merge_partials, mla_decode, reference
+from benchmarks.kda_decode import cupti_kernels
+from pallas_kernels.mla import MlaDecodeConfig, api, mla_decode
 
 DIM, PAGE = 576, 64
 SCALE = 192 ** -0.5
@@ -61,13 +63,18 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> tuple[float, float]:
   return 2 * nbytes / copy / 1e12, nbytes / read / 1e12
 
 
-def partials(q, cache, table, lens, splits: int, partial_dtype) -> tuple[jax.Array, jax.Array]:
-  """Random partials of the kernel's shapes (``o [S, B, Hq, 512]`` in ``partial_dtype``, ``lse [S, B, Hq]`` f32)."""
-  shapes = jax.eval_shape(lambda *a: reference.mla_decode_partials_reference(
-      *a, scale=SCALE, num_splits=splits, partial_dtype=partial_dtype), q, cache, table, lens)
-  ko, kl = jax.random.split(jax.random.key(1))
-  return (jax.random.normal(ko, shapes[0].shape, shapes[0].dtype),
-          5.0 + jax.random.normal(kl, shapes[1].shape, jnp.float32))
+def merge_device_us(f, *args, calls: int = 20) -> tuple[float, float] | None:
+  """(us per call of the non-Mosaic kernels, their share of the call's device time), or None without CUPTI."""
+  if jax.devices()[0].platform != "gpu":
+    return None
+  jax.block_until_ready(f(*args))
+  with cupti_kernels() as records:
+    for _ in range(calls):
+      out = f(*args)
+    jax.block_until_ready(out)
+  total = sum(ms for _, ms in records)
+  merge = sum(ms for name, ms in records if "mosaic" not in name)
+  return merge * 1e3 / calls, merge / total
 
 
 def main() -> None:
@@ -111,14 +118,14 @@ def main() -> None:
       sec = time_call(f, q, cache, table, lens)
       tbs = kv_bytes / sec / 1e12
       splits = api.effective_num_splits(pps, api.choose_num_splits(batch, heads, pps))
-      merge_s = time_call(jax.jit(lambda o, lse: merge_partials(o, lse, out_dtype=q.dtype)),
-                          *partials(q, cache, table, lens, splits, partial))
+      merge = merge_device_us(f, q, cache, table, lens)
+      merge_txt = f"{merge[0]:9.1f} {merge[1]:7.1%}" if merge else f"{'-':>9} {'-':>7}"
       row = dict(batch=batch, context=context, heads=heads, partial=jnp.dtype(partial).name, splits=splits,
-                 time_us=sec * 1e6, tbs=tbs, frac_copy=tbs / copy_tbs, merge_us=merge_s * 1e6,
-                 merge_frac=merge_s / sec, xla_us=None if xla_s is None else xla_s * 1e6)
+                 time_us=sec * 1e6, tbs=tbs, frac_copy=tbs / copy_tbs, merge_us=merge and merge[0],
+                 merge_frac=merge and merge[1], xla_us=None if xla_s is None else xla_s * 1e6)
       xla_txt = f"{xla_s * 1e6:9.1f} {xla_s / sec:6.1f}x" if xla_s is not None else f"{'-':>9} {'-':>7}"
       print(f"{batch:4d} {context:7d} {heads:4d} {row['partial']:>8} {splits:6d} {sec * 1e6:9.1f} {tbs:6.2f} "
-            f"{tbs / copy_tbs:7.0%} {merge_s * 1e6:9.1f} {merge_s / sec:7.1%} {xla_txt}", flush=True)
+            f"{tbs / copy_tbs:7.0%} {merge_txt} {xla_txt}", flush=True)
       if out:
         out.write(json.dumps(row) + "\n")
         out.flush()
