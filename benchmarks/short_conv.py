@@ -1,10 +1,10 @@
-"""The KDA short convolution (pure JAX) next to the KDA op it feeds, on one GPU, in the same run.
+"""The KDA short convolution (Mosaic GPU kernel and pure JAX) next to the KDA op it feeds, on one GPU, in the same run.
 
 Issue [6/9] item 3 allows a pure-JAX short convolution "if a benchmark shows it is not the bottleneck".
 This script measures that: ``short_conv_prefill`` against ``kda_prefill`` (impl pallas) on the same tokens,
-and ``short_conv_update`` against ``kda_decode`` (impl pallas, f32 state) on the same batch. Decode rows time the
+and ``short_conv_update`` against ``kda_decode`` (impl pallas, f32 state) on the same batch. Every row times the
 conv twice, the Mosaic GPU kernel (``impl="pallas"``, the default on Hopper, used for ``conv share``) and the
-pure-JAX ``impl="xla"``, and print both and ``xla/pallas``, the kernel's speedup. The conv runs over
+pure-JAX ``impl="xla"``, and prints both and ``xla/pallas``, the kernel's speedup. The conv runs over
 the packed q|k|v projection (``D = 3 H K`` channels, width W = 4, SiLU, bf16 rows and bf16 conv pool, the K3
 defaults), reading and writing its conv-state slots in place (donated pool); the KDA op reads and writes its
 state slots in place.
@@ -55,8 +55,9 @@ def conv_bytes(tokens: int, seqs: int, d: int) -> int:
   return (2 * tokens * d + 2 * seqs * (W - 1) * d) * 2
 
 
-def conv_prefill_ms(lens, h: int, iters: int) -> float:
-  """``short_conv_prefill`` over ``sum(lens)`` tokens of ``3 h K`` channels, every sequence with a history."""
+def conv_prefill_ms(lens, h: int, iters: int, impl: str) -> float:
+  """``short_conv_prefill(impl=impl)`` over ``sum(lens)`` tokens of ``3 h K`` channels, every sequence with a
+  history."""
   rng = np.random.default_rng(0)
   n, t, d = len(lens), int(sum(lens)), 3 * h * K
   x = jnp.asarray(rng.standard_normal((t, d)), BF16)
@@ -64,7 +65,7 @@ def conv_prefill_ms(lens, h: int, iters: int) -> float:
   cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
   slots, history = jnp.arange(n, dtype=jnp.int32), jnp.ones(n, bool)
   step = jax.jit(lambda pool, _: short_conv.short_conv_prefill(
-      x, weight, cu_seqlens=cu, conv_pool=pool, state_indices=slots, has_initial_state=history),
+      x, weight, cu_seqlens=cu, conv_pool=pool, state_indices=slots, has_initial_state=history, impl=impl),
       donate_argnums=(0,))
   pool = jnp.asarray(rng.standard_normal((n, W - 1, d)), BF16)
   return device_ms(step, pool, [None], iters)
@@ -110,8 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     row["conv_share"] = row["conv_us"] / (row["conv_us"] + row["kda_us"])
     rows.append(row)
     shape = f"N={row['N']} T={row['T']} H={row['H']}"
-    xla = (f"{row['conv_xla_us']:8.1f} {row['conv_xla_us'] / row['conv_us']:10.2f}" if "conv_xla_us" in row
-           else f"{'-':>8} {'-':>10}")
+    xla = f"{row['conv_xla_us']:8.1f} {row['conv_xla_us'] / row['conv_us']:10.2f}"
     print(f"{row['phase']:>7} {shape:>18} | {row['conv_us']:9.1f} {row['conv_gbps']:6.0f} "
           f"{100 * row['conv_gbps'] / (kda_decode.COPY_TBPS * 1e3):5.1f} | {xla} | {row['kda_us']:9.1f} | "
           f"{row['conv_share']:10.1%}", flush=True)
@@ -125,10 +125,11 @@ def main(argv: list[str] | None = None) -> None:
     report(phase="decode", N=n, T=n, H=h, conv_us=conv * 1e3, conv_xla_us=conv_xla * 1e3, kda_us=op * 1e3,
            conv_gbps=conv_bytes(n, n, 3 * h * K) / (conv * 1e-3) / 1e9)
   for lens, h in (((8192,), 96), ((1024,) * 8, 96), ((8192,), 11)):
-    conv = conv_prefill_ms(lens, h, iters=20)
+    conv = conv_prefill_ms(lens, h, 20, "pallas")
+    conv_xla = conv_prefill_ms(lens, h, 20, "xla")
     op = kda_prefill_ms(lens, h, iters=10)
-    report(phase="prefill", N=len(lens), T=sum(lens), H=h, conv_us=conv * 1e3, kda_us=op * 1e3,
-           conv_gbps=conv_bytes(sum(lens), len(lens), 3 * h * K) / (conv * 1e-3) / 1e9)
+    report(phase="prefill", N=len(lens), T=sum(lens), H=h, conv_us=conv * 1e3, conv_xla_us=conv_xla * 1e3,
+           kda_us=op * 1e3, conv_gbps=conv_bytes(sum(lens), len(lens), 3 * h * K) / (conv * 1e-3) / 1e9)
   if args.json:
     with open(args.json, "w") as fh:
       json.dump(rows, fh, indent=1)

@@ -57,21 +57,24 @@ def _cu(lengths):
 F32_TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
-def test_prefill_matches_oracle_varlen_with_checkpoints(pool_dtype):
+@pytest.mark.parametrize("pool_dtype, impl", [(jnp.float32, "xla"), (jnp.bfloat16, "xla"),
+                                             (jnp.float32, "kernel"), (jnp.bfloat16, "kernel")])
+def test_prefill_matches_oracle_varlen_with_checkpoints(pool_dtype, impl, kernel_impl):
+  """``impl="kernel"``: the Mosaic GPU kernel (``kernel_impl``: compiled on Hopper, interpret mode elsewhere) at
+  D = 256, two channel blocks of 128."""
   lengths = [0, 1, 2, 3, 5, 17, 9]
   slots = [3, 5, -1, 0, 7, 1, 2]
   has_init = [True, True, True, False, True, True, True]
   # (sequence, offset, slot): offsets < W - 1 combine state and new rows; offset == L equals the final state.
   ckpts = [(1, 1, 9), (3, 2, 10), (5, 16, 11), (5, 4, -1), (6, 9, 4)]
-  x, weight, pool = _random(1, sum(lengths), pool_dtype=pool_dtype)
+  x, weight, pool = _random(1, sum(lengths), d=D if impl == "xla" else 256, pool_dtype=pool_dtype)
   pool = pool.at[jnp.asarray([6, 8])].set(POISON)
   indptr = np.searchsorted([c[0] for c in ckpts], np.arange(len(lengths) + 1), side="left")
   y, new_pool = short_conv_prefill(
       x, weight, cu_seqlens=_cu(lengths), conv_pool=pool, state_indices=jnp.asarray(slots, jnp.int32),
       has_initial_state=jnp.asarray(has_init), checkpoint_indptr=jnp.asarray(indptr, jnp.int32),
       checkpoint_offsets=jnp.asarray([c[1] for c in ckpts], jnp.int32),
-      checkpoint_slots=jnp.asarray([c[2] for c in ckpts], jnp.int32))
+      checkpoint_slots=jnp.asarray([c[2] for c in ckpts], jnp.int32), impl=kernel_impl if impl == "kernel" else impl)
   y_ref, pool_ref = _oracle(x, weight, lengths, np.asarray(pool.astype(jnp.float32)), slots, has_init, ckpts)
   assert y.shape == x.shape and y.dtype == x.dtype
   assert new_pool.shape == pool.shape and new_pool.dtype == pool.dtype

@@ -1,8 +1,8 @@
 """Short causal depthwise convolution (width W, SiLU) of the packed q|k|v projection, with a conv state pool.
 
-Prefill is pure JAX: it reads and writes ``T * D`` elements once, far below the cost of the KDA kernels
-around it. Decode (``short_conv_update``) has a Mosaic GPU kernel (``short_conv_kernel``): as several XLA
-kernels (gather, conv, scatter) it ran at 2-9% of copy bandwidth on an H200.
+Both ops have a Mosaic GPU kernel (``short_conv_kernel``) next to the pure-JAX form (``impl="xla"``): as several
+XLA kernels (gather, conv, scatter) decode ran at 2-9% of copy bandwidth on an H200, and prefill at 40% (27% of
+the time of the KDA prefill it feeds).
 
 Conv state pool layout: ``conv_pool [P, W - 1, D]``: slot ``s`` holds the last ``W - 1`` *pre-conv* input
 rows of its sequence, oldest first (row ``W - 2`` is the most recent token). Its dtype is chosen by the
@@ -62,7 +62,7 @@ def short_conv_prefill(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array
                        checkpoint_indptr: jax.Array | None = None,
                        checkpoint_offsets: jax.Array | None = None,
                        checkpoint_slots: jax.Array | None = None,
-                       activation: str | None = "silu") -> tuple[jax.Array, jax.Array]:
+                       activation: str | None = "silu", impl: str | None = None) -> tuple[jax.Array, jax.Array]:
   """Causal depthwise conv over packed variable-length sequences, reading and writing the conv pool.
 
   Positions before a sequence start come from its slot (the last ``W - 1`` pre-conv rows of the prefix),
@@ -83,20 +83,32 @@ def short_conv_prefill(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array
       pre-conv rows before that offset (the conv state after ``offset`` tokens) are written.
     checkpoint_slots: ``[M]`` int destination slots (-1: skip).
     activation: ``"silu"`` or None.
+    impl: ``"pallas"`` (the Mosaic GPU kernel, Hopper only), ``"interpret"`` (the same kernel in Mosaic GPU
+      interpret mode, CPU), ``"xla"`` (pure JAX) or None: ``"pallas"`` on a Hopper GPU, else ``"xla"``.
+      The kernel needs ``D % 128 == 0``; it updates the pool in place when an enclosing jit donates it, so
+      its destination slots (final states and checkpoints) must not be another sequence's initial-state
+      slot, as for ``kda_prefill``: the distinct-writes check (state_indices and checkpoint_slots together)
+      guarantees that whenever the indices are concrete.
 
   Returns:
     ``y [T, D]`` in x's dtype, and the new ``conv_pool`` (same shape and dtype; only the written slots
     change).
 
   Raises:
-    ValueError: on a bad shape, dtype or value (values are checked when they are concrete), or when one
-      slot would be written twice.
+    ValueError: on a bad shape, dtype, value (values are checked when they are concrete) or impl, or when
+      one slot would be written twice.
+    NotImplementedError: a kernel impl with ``D`` not a multiple of 128.
   """
+  impl = _util.canonical_impl(impl)
   _check_common(x, weight, conv_pool, activation, {2: "[T, D]"})
   checks.check_prefill_indices(x.shape[0], conv_pool.shape[0], "conv_pool", cu_seqlens=cu_seqlens,
                                state_indices=state_indices, has_initial_state=has_initial_state,
                                checkpoint_indptr=checkpoint_indptr, checkpoint_offsets=checkpoint_offsets,
                                checkpoint_slots=checkpoint_slots, int_dtypes=_util.INT_DTYPES)
+  if impl != "xla":
+    return short_conv_kernel.short_conv_prefill_mosaic(
+        x, weight, cu_seqlens, conv_pool, state_indices, has_initial_state, checkpoint_indptr, checkpoint_offsets,
+        checkpoint_slots, activation=activation, interpret=impl == "interpret")
   return _prefill(x, weight, cu_seqlens, conv_pool, state_indices, has_initial_state, checkpoint_indptr,
                   checkpoint_offsets, checkpoint_slots, activation=activation)
 
