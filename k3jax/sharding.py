@@ -442,7 +442,8 @@ def kda_decode(q, k, v, g_raw, beta_raw, *, A_log, dt_bias, state_pool, state_in
 
 
 def short_conv_prefill(x, weight, *, cu_seqlens, conv_pool, state_indices, has_initial_state,
-                       checkpoint_indptr=None, checkpoint_offsets=None, checkpoint_slots=None, activation="silu"):
+                       checkpoint_indptr=None, checkpoint_offsets=None, checkpoint_slots=None, activation="silu",
+                       impl=None):
   """``short_conv.short_conv_prefill`` split over the (head-major) channels on the ambient mesh."""
   channels = _split_at(x, -1)
   return _per_device(short_conv.short_conv_prefill, dict(
@@ -450,16 +451,16 @@ def short_conv_prefill(x, weight, *, cu_seqlens, conv_pool, state_indices, has_i
       conv_pool=(conv_pool, CONV_POOL_NAMES), state_indices=(state_indices, None),
       has_initial_state=(has_initial_state, None), checkpoint_indptr=(checkpoint_indptr, None),
       checkpoint_offsets=(checkpoint_offsets, None), checkpoint_slots=(checkpoint_slots, None)),
-      (channels, CONV_POOL_NAMES), activation=activation)
+      (channels, CONV_POOL_NAMES), activation=activation, impl=impl)
 
 
-def short_conv_update(x, weight, *, conv_pool, state_indices, num_accepted=None, activation="silu"):
+def short_conv_update(x, weight, *, conv_pool, state_indices, num_accepted=None, activation="silu", impl=None):
   """``short_conv.short_conv_update`` split over the (head-major) channels on the ambient mesh."""
   channels = _split_at(x, -1)
   return _per_device(short_conv.short_conv_update, dict(
       x=(x, channels), weight=(weight, ("kda_heads", None)), conv_pool=(conv_pool, CONV_POOL_NAMES),
       state_indices=(state_indices, None), num_accepted=(num_accepted, None)),
-      (channels, CONV_POOL_NAMES), activation=activation)
+      (channels, CONV_POOL_NAMES), activation=activation, impl=impl)
 
 
 # Block sizes of the Hopper grouped matmul (``ragged_dot_mgpu``): the fastest measured on an H200 for

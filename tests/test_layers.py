@@ -17,6 +17,7 @@ from k3jax.layers.kda import KdaLayer
 from k3jax.layers.mla import MlaLayer
 from k3jax.layers.mlp import MLP, MoE
 from k3jax.layers.norms import RMSNorm
+from pallas_kernels.kda import short_conv
 
 F32 = dict(dtype=jnp.float32, param_dtype=jnp.float32, cache_dtype=jnp.float32, conv_dtype=jnp.float32,
            state_dtype=jnp.float32, partial_dtype=jnp.float32, impl="xla")
@@ -331,3 +332,20 @@ def test_mla_layer_prefill_then_decode(name):
     full = np.concatenate([seqs[n], npf(xd)[n:n + 1]])
     assert_close(yd[n], np_mla(cfg, m, full, np.array([0, len(full)]))[0][-1])
   assert np.isnan(np.asarray(kv)[2]).all()
+
+
+def test_kda_layer_gives_its_impl_to_the_convolutions(monkeypatch):
+  """The short convolutions run the config's impl like the KDA ops (a kernel-less shape on a GPU config
+  with impl="xla" must not reach the conv kernel)."""
+  seen = []
+  for op in ("short_conv_prefill", "short_conv_update"):
+    original = getattr(short_conv, op)
+    monkeypatch.setattr(short_conv, op, lambda *a, _op=original, **kw: seen.append(kw["impl"]) or _op(*a, **kw))
+  cfg = tiny()
+  m = KdaLayer(cfg, rngs=nnx.Rngs(5))
+  state = init_cache(cfg, 1, 64, num_slots=2).kda[0]
+  slots = jnp.asarray([0, 1], jnp.int32)
+  _, state = m.prefill(rand_x(cfg, 6), state, cu_seqlens=jnp.asarray([0, 2, 6], jnp.int32), state_indices=slots,
+                       has_initial_state=jnp.zeros(2, bool))
+  m.decode(rand_x(cfg, 2), state, state_indices=slots)
+  assert seen == ["xla"] * 6

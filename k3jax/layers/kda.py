@@ -109,7 +109,7 @@ class KdaLayer(nnx.Module):
     for n, pool in _CONVS:
       conv[n], pools[pool] = short_conv_prefill(
           pre[n], getattr(self, f"{n}_conv1d").taps(), cu_seqlens=cu_seqlens, conv_pool=getattr(state, pool),
-          state_indices=state_indices, has_initial_state=has_initial_state)
+          state_indices=state_indices, has_initial_state=has_initial_state, impl=self.cfg.impl)
     o, recurrent = kda_prefill(
         self._heads(conv["q"]), self._heads(conv["k"]), self._heads(conv["v"]), g_raw, beta_raw,
         A_log=self.A_log[...], dt_bias=self.dt_bias[...], cu_seqlens=cu_seqlens, state_pool=state.recurrent,
@@ -122,7 +122,8 @@ class KdaLayer(nnx.Module):
     conv, pools = {}, {}
     for n, pool in _CONVS:
       conv[n], pools[pool] = short_conv_update(pre[n], getattr(self, f"{n}_conv1d").taps(),
-                                               conv_pool=getattr(state, pool), state_indices=state_indices)
+                                               conv_pool=getattr(state, pool), state_indices=state_indices,
+                                               impl=self.cfg.impl)
     o, recurrent = kda_decode(
         self._heads(conv["q"]), self._heads(conv["k"]), self._heads(conv["v"]), g_raw, beta_raw,
         A_log=self.A_log[...], dt_bias=self.dt_bias[...], state_pool=state.recurrent,
