@@ -100,6 +100,8 @@ def conv_decode_ms(n: int, h: int, rot: int, iters: int, impl: str) -> float:
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--json", help="write the rows here")
+  parser.add_argument("--phases", nargs="+", choices=("decode", "prefill"), default=["decode", "prefill"],
+                      help="which rows to time, in this order")
   args = parser.parse_args(argv)
   faulthandler.dump_traceback_later(540, exit=True)
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
@@ -116,20 +118,26 @@ def main(argv: list[str] | None = None) -> None:
           f"{100 * row['conv_gbps'] / (kda_decode.COPY_TBPS * 1e3):5.1f} | {xla} | {row['kda_us']:9.1f} | "
           f"{row['conv_share']:10.1%}", flush=True)
 
-  for n, h in ((1, 96), (256, 96), (8, 96), (64, 96), (256, 11)):
-    rot, iters = kda_decode.rotation_plan(n * h * K * K * 4)
-    conv = conv_decode_ms(n, h, rot, iters, "pallas")
-    conv_xla = conv_decode_ms(n, h, rot, iters, "xla")
-    data, slots = kda_decode.make_inputs(n, h, rot, jnp.float32)
-    op = kda_decode.time_ours(data, slots, jnp.float32, iters, None)[0]  # the default path rule
-    report(phase="decode", N=n, T=n, H=h, conv_us=conv * 1e3, conv_xla_us=conv_xla * 1e3, kda_us=op * 1e3,
-           conv_gbps=conv_bytes(n, n, 3 * h * K) / (conv * 1e-3) / 1e9)
-  for lens, h in (((8192,), 96), ((1024,) * 8, 96), ((8192,), 11)):
-    conv = conv_prefill_ms(lens, h, 20, "pallas")
-    conv_xla = conv_prefill_ms(lens, h, 20, "xla")
-    op = kda_prefill_ms(lens, h, iters=10)
-    report(phase="prefill", N=len(lens), T=sum(lens), H=h, conv_us=conv * 1e3, conv_xla_us=conv_xla * 1e3,
-           kda_us=op * 1e3, conv_gbps=conv_bytes(sum(lens), len(lens), 3 * h * K) / (conv * 1e-3) / 1e9)
+  def decode_rows():
+    for n, h in ((1, 96), (256, 96), (8, 96), (64, 96), (256, 11)):
+      rot, iters = kda_decode.rotation_plan(n * h * K * K * 4)
+      conv = conv_decode_ms(n, h, rot, iters, "pallas")
+      conv_xla = conv_decode_ms(n, h, rot, iters, "xla")
+      data, slots = kda_decode.make_inputs(n, h, rot, jnp.float32)
+      op = kda_decode.time_ours(data, slots, jnp.float32, iters, None)[0]  # the default path rule
+      report(phase="decode", N=n, T=n, H=h, conv_us=conv * 1e3, conv_xla_us=conv_xla * 1e3, kda_us=op * 1e3,
+             conv_gbps=conv_bytes(n, n, 3 * h * K) / (conv * 1e-3) / 1e9)
+
+  def prefill_rows():
+    for lens, h in (((8192,), 96), ((1024,) * 8, 96), ((8192,), 11)):
+      conv = conv_prefill_ms(lens, h, 20, "pallas")
+      conv_xla = conv_prefill_ms(lens, h, 20, "xla")
+      op = kda_prefill_ms(lens, h, iters=10)
+      report(phase="prefill", N=len(lens), T=sum(lens), H=h, conv_us=conv * 1e3, conv_xla_us=conv_xla * 1e3,
+             kda_us=op * 1e3, conv_gbps=conv_bytes(sum(lens), len(lens), 3 * h * K) / (conv * 1e-3) / 1e9)
+
+  for phase in args.phases:
+    {"decode": decode_rows, "prefill": prefill_rows}[phase]()
   if args.json:
     with open(args.json, "w") as fh:
       json.dump(rows, fh, indent=1)
