@@ -83,6 +83,25 @@ def _assert_bitwise_equal(a, b):
   np.testing.assert_array_equal(a.view(uint), b.view(uint))
 
 
+def _check_two_donated_calls(op, kernel_impl: str, x, pool, untouched: list[int], **kw) -> None:
+  """``op(x, conv_pool=..., impl=...)`` twice in a row under jit with the pool donated, the kernel against
+  impl="xla": outputs within one bf16 ulp, pools bitwise equal, ``untouched`` slots bitwise unchanged."""
+  outs = {}
+  for impl in ("xla", kernel_impl):
+    step = jax.jit(functools.partial(op, **kw, impl=impl), donate_argnames="conv_pool")
+    p, ys = jnp.asarray(pool), []
+    for _ in range(2):
+      y, p = step(jnp.asarray(x), conv_pool=p)
+      ys.append(np.asarray(y, np.float32))
+    outs[impl] = ys, np.asarray(p)
+  (ys_ref, p_ref), (ys, p) = outs["xla"], outs[kernel_impl]
+  for y, y_ref in zip(ys, ys_ref):
+    # The same f32 math in a different order, both rounded to bf16: at most one ulp apart.
+    np.testing.assert_allclose(y, y_ref, **BF16_TOL)
+  _assert_bitwise_equal(p, p_ref)
+  _assert_bitwise_equal(p[untouched], pool[untouched])
+
+
 def _check(y, new_pool, y_ref, pool_ref, *, dtype, dead_rows, untouched, pool):
   np.testing.assert_allclose(y.astype(np.float64), y_ref, **(F32_TOL if dtype == F32 else BF16_TOL))
   np.testing.assert_array_equal(y[dead_rows], 0.0)
@@ -137,22 +156,8 @@ def test_public_api_matches_xla(kernel_impl, speculative):
   accepted = jnp.asarray([2, 1, 1], jnp.int32) if speculative else None
   if not speculative:
     x, slots = x[:, 0], slots[:, 0]
-  outs = {}
-  for impl in ("xla", kernel_impl):
-    step = jax.jit(functools.partial(short_conv_update, weight=jnp.asarray(weight), state_indices=slots,
-                                     num_accepted=accepted, impl=impl), donate_argnames="conv_pool")
-    p = jnp.asarray(pool)
-    ys = []
-    for _ in range(2):
-      y, p = step(jnp.asarray(x), conv_pool=p)
-      ys.append(np.asarray(y, np.float32))
-    outs[impl] = ys, np.asarray(p)
-  (ys_ref, p_ref), (ys, p) = outs["xla"], outs[kernel_impl]
-  for y, y_ref in zip(ys, ys_ref):
-    # The same f32 math in a different order, both rounded to bf16: at most one ulp apart.
-    np.testing.assert_allclose(y, y_ref, **BF16_TOL)
-  _assert_bitwise_equal(p, p_ref)
-  _assert_bitwise_equal(p[6], pool[6])
+  _check_two_donated_calls(short_conv_update, kernel_impl, x, pool, [6], weight=jnp.asarray(weight),
+                           state_indices=slots, num_accepted=accepted)
 
 
 def test_rejects_unsupported_channels_and_bad_impl():
@@ -301,20 +306,7 @@ def test_prefill_public_api_matches_xla(kernel_impl):
             has_initial_state=jnp.asarray([True, True, False, True]),
             checkpoint_indptr=jnp.asarray([0, 1, 1, 1, 2], jnp.int32),
             checkpoint_offsets=jnp.asarray([3, 11], jnp.int32), checkpoint_slots=jnp.asarray([4, 5], jnp.int32))
-  outs = {}
-  for impl in ("xla", kernel_impl):
-    step = jax.jit(functools.partial(short_conv_prefill, weight=jnp.asarray(weight), **kw, impl=impl),
-                   donate_argnames="conv_pool")
-    p, ys = jnp.asarray(pool), []
-    for _ in range(2):
-      y, p = step(jnp.asarray(x), conv_pool=p)
-      ys.append(np.asarray(y, np.float32))
-    outs[impl] = ys, np.asarray(p)
-  (ys_ref, p_ref), (ys, p) = outs["xla"], outs[kernel_impl]
-  for y, y_ref in zip(ys, ys_ref):
-    np.testing.assert_allclose(y, y_ref, **BF16_TOL)
-  _assert_bitwise_equal(p, p_ref)
-  _assert_bitwise_equal(p[[6, 7]], pool[[6, 7]])
+  _check_two_donated_calls(short_conv_prefill, kernel_impl, x, pool, [6, 7], weight=jnp.asarray(weight), **kw)
 
 
 def test_prefill_empty_tokens_and_rejects(kernel_impl):
