@@ -19,7 +19,8 @@ LB = -3.0  # a K3 lower-bound gate inside FLA's accepted [-5, 0)
 
 @pytest.fixture(params=decode_kernel.STATE_IO)
 def state_io(request) -> str:
-  """Every kernel check runs on both state / IO paths (TMA through SMEM, direct global loads and stores)."""
+  """Every kernel check runs on each state / IO path (TMA through SMEM; direct global loads and stores on
+  64-row and on 16-row blocks)."""
   return request.param
 
 
@@ -177,6 +178,10 @@ def test_rejects_unsupported_head_sizes():
   with pytest.raises(NotImplementedError, match="V % 64 == 0 and K % 8 == 0, got V=32, K=64"):
     kda_decode_mosaic(*[a[:, 0] if i < 5 else a for i, a in enumerate(args)], pool,
                       jnp.asarray([0], jnp.int32), None, config=KdaConfig(impl="interpret"), interpret=True)
+  args, pool = _inputs(4, 1, 1, 1, 48, 64, 2)
+  with pytest.raises(NotImplementedError, match='"direct16" needs K % 32 == 0 and K <= 256, got K=48'):
+    kda_decode_mosaic(*[a[:, 0] if i < 5 else a for i, a in enumerate(args)], pool, jnp.asarray([0], jnp.int32),
+                      None, config=KdaConfig(impl="interpret"), interpret=True, state_io="direct16")
 
 
 @pytest.mark.gpu

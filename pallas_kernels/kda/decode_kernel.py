@@ -4,10 +4,12 @@ Decode is bound by state bandwidth: an f32 state is ``V * K * 4`` bytes per head
 read and written once per step, while the token's own inputs are ``K``-sized vectors. So one program per
 (V-block of ``BV`` rows, head, sequence) brings its ``[BV, K]`` block of the V-first pool slot in, keeps it
 in f32 registers (WGMMA layout: rows = V, columns = K) for all of the sequence's tokens, and writes each
-token's state back out. Two static ways to move state, inputs and ``o`` (``state_io``): "tma" (one TMA into
-SMEM and one out per block, best when bandwidth bound) and "direct" (plain global loads and stores
+token's state back out. Three static ways to move state, inputs and ``o`` (``state_io``): "tma" (one TMA
+into SMEM and one out per block, best when bandwidth bound), "direct" (plain global loads and stores
 between the refs and registers, two elements per access, no SMEM or barriers: a shorter dependent chain for
-latency-bound small grids with an f32 state); ``choose_state_io`` sets the default. The pool is updated in
+latency-bound small grids with an f32 state) and "direct16" (the same with ``[16, K]`` blocks in a layout of
+``K / 32`` consecutive columns per thread: four times the programs, wider accesses; not yet measured on a
+GPU, so never the default); ``choose_state_io`` sets the default. The pool is updated in
 place: it is passed as a ``jax.new_ref`` (``plgpu.kernel`` has no ``input_output_aliases``); like every impl
 of ``kda_decode`` it does not donate the pool itself: inside an enclosing jit that donates the pool the
 update happens in place.
@@ -24,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _interpret, _util
@@ -31,7 +34,12 @@ from pallas_kernels.kda.config import KdaConfig
 from pallas_kernels.kda.kernel_math import L2NORM_EPS, gate
 
 BLOCK_V = 64  # rows of a WGMMA-layout register tile: one warpgroup, 64 f32 registers per thread at K = 128
-STATE_IO = ("tma", "direct")
+STATE_IO = ("tma", "direct", "direct16")
+# Rows of a "direct16" program: a [16, K] block, each thread 4 rows x K/32 consecutive columns (16-byte
+# accesses of an f32 state at K = 128), so a small batch spreads its state over 4x more programs and SMs
+# than with 64-row blocks (an SM moves its programs' state at a bounded rate: N=1 H=11 took 4.1 us with a
+# 32 KiB f32 block per program against 3.4 us with a 16 KiB bf16 one).
+DIRECT_ROWS = 16
 # ``state_io=None`` picks "direct" for an f32 state on grids of at most this many programs
 # (``V / 64 * H * N``), "tma" otherwise. H200, K = V = 128 (benchmarks/RESULTS.md): direct was faster with
 # an f32 state at 22-192 programs (3.9 vs 4.1 us at N=1 H=11, 6.3 vs 7.2 at N=8 H=11, 6.6 vs 7.4 at N=1 H=96)
@@ -64,10 +72,17 @@ def _token_step(s, q, k, x, v, beta, *, rate, scale: float, lower_bound: float |
   return s, scale * inv_q * jnp.sum(s * qv, axis=1)
 
 
-def _program_ids():
-  """``(n, h, V rows)`` of this program; the read slot is taken by the caller."""
+def _program_ids(block: int):
+  """``(n, h, V rows)`` of this program (``block`` rows); the read slot is taken by the caller."""
   vb, h, n = lax.axis_index("vb"), lax.axis_index("h"), lax.axis_index("n")
-  return n, h, pl.ds(pl.multiple_of(vb * BLOCK_V, BLOCK_V), BLOCK_V)
+  return n, h, pl.ds(pl.multiple_of(vb * block, block), block)
+
+
+def _rows_layout(kdim: int):
+  """Register layout of a ``[DIRECT_ROWS, K]`` f32 block: warps over groups of 4 rows, the 32 lanes over
+  ``K / 32`` consecutive columns each (one vector)."""
+  tiling = fragmented_array.Tiling(((DIRECT_ROWS, kdim), (DIRECT_ROWS // 4, kdim), (kdim // 32,)))
+  return plgpu.Layout.TILED(tiling, warp_dims=(-5,), lane_dims=(-2,), vector_dim=-1)
 
 
 def _read_slot(slots_ref, accepted_ref, n, speculative: bool):
@@ -77,7 +92,7 @@ def _read_slot(slots_ref, accepted_ref, n, speculative: bool):
 def _tma_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, slots_ref, accepted_ref,
               pool_ref, o_ref, q_smem, k_smem, g_smem, v_smem, bias_smem, s_smem, o_smem, barriers, *,
               steps: int, speculative: bool, scale: float, lower_bound: float | None):
-  n, h, rows = _program_ids()
+  n, h, rows = _program_ids(BLOCK_V)
   col = plgpu.Layout.WGMMA.reduce(0)  # [K] vectors, broadcast along the V rows
   row = plgpu.Layout.WGMMA.reduce(1)  # [BV] vectors, broadcast along the K columns
   # Small batches are latency bound: start every load that does not depend on the slot before the
@@ -130,22 +145,22 @@ def _tma_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, slot
 
 
 def _direct_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, slots_ref, accepted_ref,
-                 pool_ref, o_ref, *, steps: int, speculative: bool, scale: float, lower_bound: float | None):
+                 pool_ref, o_ref, *, steps: int, speculative: bool, scale: float, lower_bound: float | None,
+                 layout, block: int):
   """Plain global loads and stores straight between the refs and registers: no SMEM, TMA or barrier.
 
   The state load is issued right after the slot id arrives, then the inputs, so they overlap it; each
   later token's inputs are requested one token ahead. Each thread loads and stores the same state elements
   (one layout), so a token that writes the slot it read from is ordered after that read.
   """
-  n, h, rows = _program_ids()
-  col = plgpu.Layout.WGMMA.reduce(0)
-  row = plgpu.Layout.WGMMA.reduce(1)
+  n, h, rows = _program_ids(block)
+  col, row = layout.reduce(0), layout.reduce(1)
   load = lambda ref, layout: plgpu.load(ref, layout=layout, optimized=False).astype(jnp.float32)
   read_slot = _read_slot(slots_ref, accepted_ref, n, speculative)
 
   @pl.when(read_slot >= 0)
   def _():
-    s = load(pool_ref.at[read_slot, h, rows], plgpu.Layout.WGMMA)
+    s = load(pool_ref.at[read_slot, h, rows], layout)
     token = lambda t: (load(q_ref.at[n, t, h], col), load(k_ref.at[n, t, h], col), load(g_ref.at[n, t, h], col),
                        load(v_ref.at[n, t, h, rows], row), beta_ref[n, t, h])
     nxt = token(0)
@@ -165,7 +180,7 @@ def _direct_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, s
   @pl.when(read_slot < 0)
   def _():
     for t in range(steps):
-      o_ref.at[n, t, h, rows][...] = plgpu.layout_cast(jnp.zeros((BLOCK_V,), o_ref.dtype), row)
+      o_ref.at[n, t, h, rows][...] = plgpu.layout_cast(jnp.zeros((block,), o_ref.dtype), row)
 
 
 def _launch(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool_ref, state_indices, num_accepted, *,
@@ -178,8 +193,13 @@ def _launch(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool_ref, state_indices, n
   state_dtype = pool_ref.dtype
   speculative = num_accepted is not None
   statics = dict(steps=steps, speculative=speculative, scale=scale, lower_bound=config.lower_bound)
-  if state_io == "direct":
-    body, scratch = functools.partial(_direct_body, **statics), ()
+  block = BLOCK_V
+  if state_io != "tma":
+    if state_io == "direct16":
+      block, layout = DIRECT_ROWS, _rows_layout(kdim)
+    else:
+      layout = plgpu.Layout.WGMMA
+    body, scratch = functools.partial(_direct_body, layout=layout, block=block, **statics), ()
   else:
     body = functools.partial(_tma_body, **statics)
     scratch = (
@@ -193,7 +213,7 @@ def _launch(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool_ref, state_indices, n
         plgpu.Barrier(num_barriers=6),
     )
   kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((n, steps, h, vdim), q.dtype),
-                        grid=(vdim // BLOCK_V, h, n), grid_names=("vb", "h", "n"), scratch_types=scratch)
+                        grid=(vdim // block, h, n), grid_names=("vb", "h", "n"), scratch_types=scratch)
   # The one-token kernel never reads num_accepted: pass the slots in its place rather than build an array.
   accepted = num_accepted.astype(jnp.int32) if speculative else state_indices
   return kernel(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_indices, accepted, pool_ref)
@@ -233,7 +253,8 @@ def kda_decode_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array
     config: ``KdaConfig`` (gate kind, scale, state dtype).
     interpret: run in Mosaic GPU interpret mode (CPU).
     state_io: how state, inputs and ``o`` move: "tma" (TMA through SMEM, for bandwidth-bound grids),
-      "direct" (plain global loads and stores into registers, for latency-bound grids), or None for
+      "direct" (plain global loads and stores into registers, for latency-bound grids), "direct16" (the
+      same on 16-row blocks; needs ``K % 32 == 0`` and ``K <= 256``), or None for
       ``choose_state_io(V / 64 * H * N, state dtype)``. Both give the same results.
 
   Returns:
@@ -241,13 +262,16 @@ def kda_decode_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array
 
   Raises:
     ValueError: ``state_io`` not None or one of ``STATE_IO``.
-    NotImplementedError: ``V`` not a multiple of 64, or ``K`` not a multiple of 8 (the WGMMA tile).
+    NotImplementedError: ``V`` not a multiple of 64, ``K`` not a multiple of 8 (the WGMMA tile), or a
+      "direct16" ``K`` that is not a multiple of 32 up to 256 (one vector of columns per lane).
   """
   vdim, kdim = state_pool.shape[-2:]
   if state_io is not None and state_io not in STATE_IO:
     raise ValueError(f"state_io must be None or one of {STATE_IO}, got {state_io!r}")
   if vdim % BLOCK_V or kdim % 8:
     raise NotImplementedError(f"the decode kernel needs V % {BLOCK_V} == 0 and K % 8 == 0, got V={vdim}, K={kdim}")
+  if state_io == "direct16" and (kdim % 32 or kdim > 256):
+    raise NotImplementedError(f'state_io="direct16" needs K % 32 == 0 and K <= 256, got K={kdim}')
   if state_io is None:
     state_io = choose_state_io(vdim // BLOCK_V * q.shape[-2] * q.shape[0], state_pool.dtype)
   return _decode(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, state_indices, num_accepted,
