@@ -193,15 +193,11 @@ def _launch(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool_ref, state_indices, n
   state_dtype = pool_ref.dtype
   speculative = num_accepted is not None
   statics = dict(steps=steps, speculative=speculative, scale=scale, lower_bound=config.lower_bound)
-  block = BLOCK_V
   if state_io != "tma":
-    if state_io == "direct16":
-      block, layout = DIRECT_ROWS, _rows_layout(kdim)
-    else:
-      layout = plgpu.Layout.WGMMA
+    block, layout = (DIRECT_ROWS, _rows_layout(kdim)) if state_io == "direct16" else (BLOCK_V, plgpu.Layout.WGMMA)
     body, scratch = functools.partial(_direct_body, layout=layout, block=block, **statics), ()
   else:
-    body = functools.partial(_tma_body, **statics)
+    block, body = BLOCK_V, functools.partial(_tma_body, **statics)
     scratch = (
         plgpu.SMEM((steps, kdim), q.dtype),
         plgpu.SMEM((steps, kdim), k.dtype),

@@ -293,8 +293,9 @@ def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_t: jax
               jax.ShapeDtypeStruct((S, H, C, K), bf16), jax.ShapeDtypeStruct((S, H, C, V), bf16),
               jax.ShapeDtypeStruct((S, H, C, C), bf16), jax.ShapeDtypeStruct((S, H, K), f32))
   parts = 2 if bounded else 3
-  x_q = plgpu.RefUnion(plgpu.SMEM((C, K), q.dtype), tiled((C, K)), (tiled((C, C)), tiled((C, C))))
-  x_k = plgpu.RefUnion(plgpu.SMEM((C, K), k.dtype), tiled((C, K)), (tiled((C, C)), tiled((C, C))))
+  # Raw rows land untiled (their token offset is not a multiple of 8), then a tile, then two C x C buffers.
+  landing = lambda dtype: plgpu.RefUnion(plgpu.SMEM((C, K), dtype), tiled((C, K)), (tiled((C, C)), tiled((C, C))))
+  x_q, x_k = landing(q.dtype), landing(k.dtype)
   x_v = plgpu.RefUnion(plgpu.SMEM((C, V), v.dtype), tiled((C, V)))
   # G rows and (pairwise diagonal only) k rows in one allocation: the row-vector reads of G pin it to a plain
   # row-major layout; a separate k buffer would get a swizzled tiling from layout inference, which the
