@@ -6,9 +6,9 @@ through slot indices. To keep the state out of the 60 MB L2, each timed step use
 (the pool holds R rotating copies of the working set).
 
 Timings:
-* ``tma`` / ``direct`` / ``direct16``: device time per call of our jitted function with the kernel's state /
-  IO path forced to "tma" (TMA through SMEM), "direct" (plain global loads and stores, 64-row blocks) or
-  "direct16" (the same, 16-row blocks); every kernel it launches, from CUPTI, mean over the timed calls; the
+* one column per path of ``STATE_IO``: device time per call of our jitted function with the kernel's state /
+  IO path forced to "tma" (TMA through SMEM) or "directR" (plain global loads and stores, R-row blocks);
+  every kernel it launches, from CUPTI, mean over the timed calls; the
   names are printed, so a stray copy of the pool would show. ``ours_kernel`` is the fastest path, ``auto``
   the path the kernel's default rule picks for the shape;
 * ``ours_called``: wall time per call from Python, dispatch included (median of 3 loops), faster path;
@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels.kda.config import KdaConfig  # noqa: E402
-from pallas_kernels.kda.decode_kernel import BLOCK_V, STATE_IO, choose_state_io, kda_decode_mosaic  # noqa: E402
+from pallas_kernels.kda.decode_kernel import STATE_IO, choose_state_io, kda_decode_mosaic  # noqa: E402
 
 COPY_TBPS = 4.27
 LB = -5.0
@@ -183,7 +183,8 @@ def main():
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
   shapes = [(1, 96), (256, 96)] if args.quick else [(n, h) for h in (11, 96) for n in (1, 8, 64, 256)]
   rows = []
-  header = (f"{'N':>4} {'H':>3} {'state':>5} | {'tma us':>7} {'direct':>7} {'dir16':>7} {'auto':>6} {'called':>7} "
+  path_cols = " ".join(f"{io + ' us':>11}" for io in STATE_IO)
+  header = (f"{'N':>4} {'H':>3} {'state':>5} | {path_cols} {'auto':>8} {'called':>7} "
             f"{'GB/s':>6} {'copy%':>5} | {'FLA called':>10} {'graph':>7} {'kernel':>7} | {'vs FLA':>6} {'max|do|':>8}")
   print(header)
   for n, h in shapes:
@@ -194,10 +195,8 @@ def main():
       data, slots = make_inputs(n, h, rot, state_dtype)
       paths = {io: time_ours(data, slots, state_dtype, iters, io) for io in STATE_IO}
       ours, ours_called, _, _ = min(paths.values(), key=lambda r: r[0])
-      programs = V // BLOCK_V * h * n
-      row = dict(N=n, H=h, state=jnp.dtype(state_dtype).name, tma_us=paths["tma"][0] * 1e3,
-                 direct_us=paths["direct"][0] * 1e3, direct16_us=paths["direct16"][0] * 1e3,
-                 auto=choose_state_io(programs, state_dtype), ours_us=ours * 1e3,
+      row = dict(N=n, H=h, state=jnp.dtype(state_dtype).name, **{f"{io}_us": r[0] * 1e3 for io, r in paths.items()},
+                 auto=choose_state_io(n * h, K, state_dtype), ours_us=ours * 1e3,
                  ours_called_us=ours_called * 1e3, gbps=2 * state_bytes / (ours * 1e-3) / 1e9,
                  kernels=sorted({name for r in paths.values() for name in r[2]}), iters=iters, rotations=rot)
       row["copy_frac"] = row["gbps"] / (COPY_TBPS * 1e3)
@@ -210,8 +209,8 @@ def main():
       rows.append(row)
       fla_cols = (f"{row['fla_called_us']:10.1f} {row['fla_graph_us']:7.1f} {row['fla_kernel_us']:7.1f} | "
                   f"{row['vs_fla']:6.2f} {row['max_abs_diff_o']:8.1e}") if have_fla else "-"
-      print(f"{n:4d} {h:3d} {row['state'][:5]:>5} | {row['tma_us']:7.1f} {row['direct_us']:7.1f} "
-            f"{row['direct16_us']:7.1f} {row['auto']:>6} {row['ours_called_us']:7.1f} {row['gbps']:6.0f} "
+      path_us = " ".join(f"{row[io + '_us']:11.1f}" for io in STATE_IO)
+      print(f"{n:4d} {h:3d} {row['state'][:5]:>5} | {path_us} {row['auto']:>8} {row['ours_called_us']:7.1f} {row['gbps']:6.0f} "
             f"{100 * row['copy_frac']:5.1f} | {fla_cols}", flush=True)
   print("kernels in our call:", sorted({name for r in rows for name in r["kernels"]}))
   if args.json:

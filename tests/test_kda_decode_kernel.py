@@ -20,7 +20,7 @@ LB = -3.0  # a K3 lower-bound gate inside FLA's accepted [-5, 0)
 @pytest.fixture(params=decode_kernel.STATE_IO)
 def state_io(request) -> str:
   """Every kernel check runs on each state / IO path (TMA through SMEM; direct global loads and stores on
-  64-row and on 16-row blocks)."""
+  16-, 32- and 64-row blocks)."""
   return request.param
 
 
@@ -164,9 +164,12 @@ def test_lowers_for_cuda(state_io, n, single, lower_bound, state_dtype, dtype):
 
 
 def test_state_io_rule_and_validation():
-  assert decode_kernel.choose_state_io(decode_kernel.DIRECT_MAX_PROGRAMS, jnp.float32) == "direct"
-  assert decode_kernel.choose_state_io(decode_kernel.DIRECT_MAX_PROGRAMS + 1, jnp.float32) == "tma"
-  assert decode_kernel.choose_state_io(1, jnp.bfloat16) == "tma"
+  choose = decode_kernel.choose_state_io
+  assert [choose(heads, 128, jnp.float32) for heads in (11, 1024, 1025, 4096, 4097)] == [
+      "direct16", "direct16", "direct32", "direct32", "direct64"]
+  assert [choose(heads, 128, jnp.bfloat16) for heads in (96, 128, 129, 4096, 4097)] == [
+      "direct16", "direct16", "direct32", "direct32", "direct64"]
+  assert choose(1, 48, jnp.float32) == choose(1, 288, jnp.bfloat16) == "tma"
   args, pool = _inputs(4, 1, 1, 1, 64, 64, 2)
   with pytest.raises(ValueError, match="state_io must be None or one of .*, got 'smem'"):
     kda_decode_mosaic(*[a[:, 0] if i < 5 else a for i, a in enumerate(args)], pool, jnp.asarray([0], jnp.int32),

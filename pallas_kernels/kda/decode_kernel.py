@@ -3,13 +3,13 @@
 Decode is bound by state bandwidth: an f32 state is ``V * K * 4`` bytes per head (64 KiB at K = V = 128),
 read and written once per step, while the token's own inputs are ``K``-sized vectors. So one program per
 (V-block of ``BV`` rows, head, sequence) brings its ``[BV, K]`` block of the V-first pool slot in, keeps it
-in f32 registers (WGMMA layout: rows = V, columns = K) for all of the sequence's tokens, and writes each
-token's state back out. Three static ways to move state, inputs and ``o`` (``state_io``): "tma" (one TMA
-into SMEM and one out per block, best when bandwidth bound), "direct" (plain global loads and stores
-between the refs and registers, two elements per access, no SMEM or barriers: a shorter dependent chain for
-latency-bound small grids with an f32 state) and "direct16" (the same with ``[16, K]`` blocks in a layout of
-``K / 32`` consecutive columns per thread: four times the programs, wider accesses; not yet measured on a
-GPU, so never the default); ``choose_state_io`` sets the default. The pool is updated in
+in f32 registers (rows = V, columns = K) for all of the sequence's tokens, and writes each token's state
+back out. Static ways to move state, inputs and ``o`` (``state_io``): "direct16" / "direct32" /
+"direct64" (plain global loads and stores straight between the refs and registers, no SMEM or barriers,
+on ``[R, K]`` blocks with ``K / 32`` consecutive columns per thread: 16-byte accesses of an f32 state;
+small blocks spread a small batch over more SMs, big ones keep more bytes in flight) and "tma" (one TMA
+into SMEM and one out per 64-row block, WGMMA register layout: the path for a ``K`` the row layouts cannot
+take); ``choose_state_io`` sets the default from the H200 measurements. The pool is updated in
 place: it is passed as a ``jax.new_ref`` (``plgpu.kernel`` has no ``input_output_aliases``); like every impl
 of ``kda_decode`` it does not donate the pool itself: inside an enclosing jit that donates the pool the
 update happens in place.
@@ -34,30 +34,27 @@ from pallas_kernels.kda.config import KdaConfig
 from pallas_kernels.kda.kernel_math import L2NORM_EPS, gate
 
 BLOCK_V = 64  # rows of a WGMMA-layout register tile: one warpgroup, 64 f32 registers per thread at K = 128
-STATE_IO = ("tma", "direct", "direct16")
-# Rows of a "direct16" program: a [16, K] block, each thread 4 rows x K/32 consecutive columns (16-byte
-# accesses of an f32 state at K = 128), so a small batch spreads its state over 4x more programs and SMs
-# than with 64-row blocks (an SM moves its programs' state at a bounded rate: N=1 H=11 took 4.1 us with a
-# 32 KiB f32 block per program against 3.4 us with a 16 KiB bf16 one).
-DIRECT_ROWS = 16
-# ``state_io=None`` picks "direct" for an f32 state on grids of at most this many programs
-# (``V / 64 * H * N``), "tma" otherwise. H200, K = V = 128 (benchmarks/RESULTS.md): direct was faster with
-# an f32 state at 22-192 programs (3.9 vs 4.1 us at N=1 H=11, 6.3 vs 7.2 at N=8 H=11, 6.6 vs 7.4 at N=1 H=96)
-# and slower at 1408 and above; with a bf16 state it was slower at every size (two elements per access are
-# only 4 bytes).
-DIRECT_MAX_PROGRAMS = 256
+STATE_IO = ("tma", "direct16", "direct32", "direct64")
+# Rows of a program on the "directR" paths: a [R, K] block, each thread R/4 rows x K/32 consecutive columns.
+DIRECT_ROWS = {"direct16": 16, "direct32": 32, "direct64": 64}
+# ``state_io=None`` on a batch of ``N * H`` heads (benchmarks/RESULTS.md, H200, K = V = 128): the smallest
+# block is fastest while a small grid is latency bound (N=1 H=11: 2.5 us f32 / 1.8 bf16 with 16 rows against
+# 3.7 / 2.6 with 64), the largest once it is bandwidth bound (N=256 H=96 f32: 855.5 us, 88% of copy, with 64
+# rows, 903.0 with 16, 878.5 on the TMA path). Each entry is (most heads, path); beyond the last, "direct64".
+DIRECT_RULE = {jnp.dtype(jnp.float32): ((1024, "direct16"), (4096, "direct32")),
+               jnp.dtype(jnp.bfloat16): ((128, "direct16"), (4096, "direct32"))}
 
 
 def _token_step(s, q, k, x, v, beta, *, rate, scale: float, lower_bound: float | None, state_dtype):
-  """One token on a ``[BV, K]`` f32 state block in WGMMA layout.
+  """One token on a ``[BV, K]`` f32 state block in registers.
 
   Args:
-    s: ``[BV, K]`` f32 state. q, k: ``[K]`` raw, f32, ``WGMMA.reduce(0)`` layout; x: ``g_raw + dt_bias``, same.
-    v: ``[BV]`` f32, ``WGMMA.reduce(1)`` layout. beta: ``sigmoid(beta_raw)``, f32 scalar. rate: ``exp(A_log)``.
+    s: ``[BV, K]`` f32 state in a register layout L. q, k: ``[K]`` raw, f32, ``L.reduce(0)`` layout; x:
+    ``g_raw + dt_bias``, same. v: ``[BV]`` f32, ``L.reduce(1)`` layout. beta: ``sigmoid(beta_raw)``, f32 scalar. rate: ``exp(A_log)``.
 
   Returns:
     The new state (f32, rounded through ``state_dtype``: the next token starts from the stored state) and
-    ``o`` (``[BV]`` f32, ``WGMMA.reduce(1)`` layout).
+    ``o`` (``[BV]`` f32, ``L.reduce(1)`` layout).
   """
   along_v = lambda a: lax.broadcast_in_dim(a, s.shape, (1,))  # a [K] vector repeated on every V row
   along_k = lambda a: lax.broadcast_in_dim(a, s.shape, (0,))  # a [BV] vector repeated on every K column
@@ -78,10 +75,10 @@ def _program_ids(block: int):
   return n, h, pl.ds(pl.multiple_of(vb * block, block), block)
 
 
-def _rows_layout(kdim: int):
-  """Register layout of a ``[DIRECT_ROWS, K]`` f32 block: warps over groups of 4 rows, the 32 lanes over
-  ``K / 32`` consecutive columns each (one vector)."""
-  tiling = fragmented_array.Tiling(((DIRECT_ROWS, kdim), (DIRECT_ROWS // 4, kdim), (kdim // 32,)))
+def _rows_layout(rows: int, kdim: int):
+  """Register layout of a ``[rows, K]`` f32 block: the 4 warps over groups of ``rows / 4`` rows, the 32 lanes
+  over ``K / 32`` consecutive columns each (one vector)."""
+  tiling = fragmented_array.Tiling(((rows, kdim), (rows // 4, kdim), (kdim // 32,)))
   return plgpu.Layout.TILED(tiling, warp_dims=(-5,), lane_dims=(-2,), vector_dim=-1)
 
 
@@ -193,9 +190,10 @@ def _launch(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool_ref, state_indices, n
   state_dtype = pool_ref.dtype
   speculative = num_accepted is not None
   statics = dict(steps=steps, speculative=speculative, scale=scale, lower_bound=config.lower_bound)
-  if state_io != "tma":
-    block, layout = (DIRECT_ROWS, _rows_layout(kdim)) if state_io == "direct16" else (BLOCK_V, plgpu.Layout.WGMMA)
-    body, scratch = functools.partial(_direct_body, layout=layout, block=block, **statics), ()
+  if state_io in DIRECT_ROWS:
+    block = DIRECT_ROWS[state_io]
+    body = functools.partial(_direct_body, layout=_rows_layout(block, kdim), block=block, **statics)
+    scratch = ()
   else:
     block, body = BLOCK_V, functools.partial(_tma_body, **statics)
     scratch = (
@@ -229,10 +227,12 @@ def _decode(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, state_indices,
   return (o[:, 0] if single else o), pool_ref[...]
 
 
-def choose_state_io(programs: int, state_dtype) -> str:
-  """The default state / IO path for a grid of ``programs`` programs (rule at ``DIRECT_MAX_PROGRAMS``)."""
-  direct = jnp.dtype(state_dtype) == jnp.float32 and programs <= DIRECT_MAX_PROGRAMS
-  return "direct" if direct else "tma"
+def choose_state_io(heads: int, kdim: int, state_dtype) -> str:
+  """The default state / IO path for ``heads = N * H`` (``DIRECT_RULE``); "tma" where the row layouts
+  cannot take ``kdim``."""
+  if kdim % 32 or kdim > 256:
+    return "tma"
+  return next((io for most, io in DIRECT_RULE[jnp.dtype(state_dtype)] if heads <= most), "direct64")
 
 
 def kda_decode_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_raw: jax.Array,
@@ -248,10 +248,10 @@ def kda_decode_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array
     state_indices: ``[N]`` or ``[N, 1 + S]`` int32; num_accepted: ``[N]`` int32 (speculative form) or None.
     config: ``KdaConfig`` (gate kind, scale, state dtype).
     interpret: run in Mosaic GPU interpret mode (CPU).
-    state_io: how state, inputs and ``o`` move: "tma" (TMA through SMEM, for bandwidth-bound grids),
-      "direct" (plain global loads and stores into registers, for latency-bound grids), "direct16" (the
-      same on 16-row blocks; needs ``K % 32 == 0`` and ``K <= 256``), or None for
-      ``choose_state_io(V / 64 * H * N, state dtype)``. Both give the same results.
+    state_io: how state, inputs and ``o`` move: "direct16" / "direct32" / "direct64" (plain global loads
+      and stores into registers on blocks of that many rows; need ``K % 32 == 0`` and ``K <= 256``), "tma"
+      (TMA through SMEM, 64-row blocks), or None for ``choose_state_io(N * H, K, state dtype)``. All give
+      the same results.
 
   Returns:
     ``o`` (q's shape with V last, q's dtype) and the new pool.
@@ -259,16 +259,16 @@ def kda_decode_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array
   Raises:
     ValueError: ``state_io`` not None or one of ``STATE_IO``.
     NotImplementedError: ``V`` not a multiple of 64, ``K`` not a multiple of 8 (the WGMMA tile), or a
-      "direct16" ``K`` that is not a multiple of 32 up to 256 (one vector of columns per lane).
+      "directR" ``K`` that is not a multiple of 32 up to 256 (one vector of columns per lane).
   """
   vdim, kdim = state_pool.shape[-2:]
   if state_io is not None and state_io not in STATE_IO:
     raise ValueError(f"state_io must be None or one of {STATE_IO}, got {state_io!r}")
   if vdim % BLOCK_V or kdim % 8:
     raise NotImplementedError(f"the decode kernel needs V % {BLOCK_V} == 0 and K % 8 == 0, got V={vdim}, K={kdim}")
-  if state_io == "direct16" and (kdim % 32 or kdim > 256):
-    raise NotImplementedError(f'state_io="direct16" needs K % 32 == 0 and K <= 256, got K={kdim}')
+  if state_io in DIRECT_ROWS and (kdim % 32 or kdim > 256):
+    raise NotImplementedError(f'state_io="{state_io}" needs K % 32 == 0 and K <= 256, got K={kdim}')
   if state_io is None:
-    state_io = choose_state_io(vdim // BLOCK_V * q.shape[-2] * q.shape[0], state_pool.dtype)
+    state_io = choose_state_io(q.shape[0] * q.shape[-2], kdim, state_pool.dtype)
   return _decode(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, state_indices, num_accepted,
                  config=config, interpret=interpret, state_io=state_io)
