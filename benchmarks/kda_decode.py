@@ -196,7 +196,7 @@ def main():
       paths = {io: time_ours(data, slots, state_dtype, iters, io) for io in STATE_IO}
       ours, ours_called, _, _ = min(paths.values(), key=lambda r: r[0])
       row = dict(N=n, H=h, state=jnp.dtype(state_dtype).name, **{f"{io}_us": r[0] * 1e3 for io, r in paths.items()},
-                 auto=choose_state_io(n * h, K, state_dtype), ours_us=ours * 1e3,
+                 auto=choose_state_io(n * h, K, V, state_dtype), ours_us=ours * 1e3,
                  ours_called_us=ours_called * 1e3, gbps=2 * state_bytes / (ours * 1e-3) / 1e9,
                  kernels=sorted({name for r in paths.values() for name in r[2]}), iters=iters, rotations=rot)
       row["copy_frac"] = row["gbps"] / (COPY_TBPS * 1e3)

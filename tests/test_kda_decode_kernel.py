@@ -20,7 +20,7 @@ LB = -3.0  # a K3 lower-bound gate inside FLA's accepted [-5, 0)
 @pytest.fixture(params=decode_kernel.STATE_IO)
 def state_io(request) -> str:
   """Every kernel check runs on each state / IO path (TMA through SMEM; direct global loads and stores on
-  16-, 32- and 64-row blocks)."""
+  16-, 64- and 128-row blocks)."""
   return request.param
 
 
@@ -107,8 +107,8 @@ def _check(o, new_pool, o_ref, pool_ref, pool, *, vdim, dtype, state_dtype, unto
 
 
 @pytest.mark.parametrize("lower_bound, state_dtype, dtype, kdim, vdim", [
-    (None, jnp.float32, jnp.float32, 64, 64),
-    (LB, jnp.bfloat16, jnp.bfloat16, 32, 128),  # two V-blocks; a 64-byte-row bf16 state tile
+    (None, jnp.float32, jnp.float32, 64, 128),  # V = 128: every path's block divides it
+    (LB, jnp.bfloat16, jnp.bfloat16, 32, 128),  # a 64-byte-row bf16 state tile
 ])
 def test_single_token_matches_oracle(kernel_impl, state_io, lower_bound, state_dtype, dtype, kdim, vdim):
   heads, num_slots = 2, 6
@@ -126,7 +126,7 @@ def test_single_token_matches_oracle(kernel_impl, state_io, lower_bound, state_d
 
 @pytest.mark.parametrize("lower_bound, state_dtype", [(LB, jnp.float32), (None, jnp.bfloat16)])
 def test_speculative_matches_oracle(kernel_impl, state_io, lower_bound, state_dtype):
-  heads, kdim, vdim, num_slots = 2, 64, 64, 12
+  heads, kdim, vdim, num_slots = 2, 64, 128, 12
   args, pool = _inputs(1, 3, 3, heads, kdim, vdim, num_slots, state_dtype=state_dtype)
   # Row 0 resumes from its 2nd column; row 1's read slot is -1 (padding); row 2 skips writing column 1.
   slots = np.asarray([[0, 1, 2], [-1, 4, 5], [6, -1, 8]])
@@ -165,11 +165,12 @@ def test_lowers_for_cuda(state_io, n, single, lower_bound, state_dtype, dtype):
 
 def test_state_io_rule_and_validation():
   choose = decode_kernel.choose_state_io
-  assert [choose(heads, 128, jnp.float32) for heads in (11, 1024, 1025, 4096, 4097)] == [
-      "direct16", "direct16", "direct32", "direct32", "direct64"]
-  assert [choose(heads, 128, jnp.bfloat16) for heads in (96, 128, 129, 4096, 4097)] == [
-      "direct16", "direct16", "direct32", "direct32", "direct64"]
-  assert choose(1, 48, jnp.float32) == choose(1, 288, jnp.bfloat16) == "tma"
+  assert [choose(heads, 128, 128, jnp.float32) for heads in (11, 1024, 1025, 4096, 4097)] == [
+      "direct16", "direct16", "direct64", "direct64", "direct128"]
+  assert [choose(heads, 128, 128, jnp.bfloat16) for heads in (96, 128, 129, 4096, 4097)] == [
+      "direct16", "direct16", "direct64", "direct64", "direct128"]
+  assert choose(4097, 128, 192, jnp.float32) == "direct64"  # V is not a multiple of 128
+  assert choose(1, 48, 128, jnp.float32) == choose(1, 288, 128, jnp.bfloat16) == "tma"
   args, pool = _inputs(4, 1, 1, 1, 64, 64, 2)
   with pytest.raises(ValueError, match="state_io must be None or one of .*, got 'smem'"):
     kda_decode_mosaic(*[a[:, 0] if i < 5 else a for i, a in enumerate(args)], pool, jnp.asarray([0], jnp.int32),
@@ -182,9 +183,14 @@ def test_rejects_unsupported_head_sizes():
     kda_decode_mosaic(*[a[:, 0] if i < 5 else a for i, a in enumerate(args)], pool,
                       jnp.asarray([0], jnp.int32), None, config=KdaConfig(impl="interpret"), interpret=True)
   args, pool = _inputs(4, 1, 1, 1, 48, 64, 2)
-  with pytest.raises(NotImplementedError, match='"direct16" needs K % 32 == 0 and K <= 256, got K=48'):
+  with pytest.raises(NotImplementedError, match='"direct16" needs K % 32 == 0, K <= 256 and V % 16 == 0, '
+                                               'got K=48, V=64'):
     kda_decode_mosaic(*[a[:, 0] if i < 5 else a for i, a in enumerate(args)], pool, jnp.asarray([0], jnp.int32),
                       None, config=KdaConfig(impl="interpret"), interpret=True, state_io="direct16")
+  args, pool = _inputs(4, 1, 1, 1, 64, 64, 2)
+  with pytest.raises(NotImplementedError, match='"direct128" needs .* V % 128 == 0, got K=64, V=64'):
+    kda_decode_mosaic(*[a[:, 0] if i < 5 else a for i, a in enumerate(args)], pool, jnp.asarray([0], jnp.int32),
+                      None, config=KdaConfig(impl="interpret"), interpret=True, state_io="direct128")
 
 
 @pytest.mark.gpu

@@ -4,13 +4,13 @@ Decode is bound by state bandwidth: an f32 state is ``V * K * 4`` bytes per head
 read and written once per step, while the token's own inputs are ``K``-sized vectors. So one program per
 (V-block of ``BV`` rows, head, sequence) brings its ``[BV, K]`` block of the V-first pool slot in, keeps it
 in f32 registers (rows = V, columns = K) for all of the sequence's tokens, and writes each token's state
-back out. Static ways to move state, inputs and ``o`` (``state_io``): "direct16" / "direct32" /
-"direct64" (plain global loads and stores straight between the refs and registers, no SMEM or barriers,
-on ``[R, K]`` blocks with ``K / 32`` consecutive columns per thread: 16-byte accesses of an f32 state;
-small blocks spread a small batch over more SMs, big ones keep more bytes in flight) and "tma" (one TMA
-into SMEM and one out per 64-row block, WGMMA register layout: the path for a ``K`` the row layouts cannot
-take); ``choose_state_io`` sets the default from the H200 measurements. The pool is updated in
-place: it is passed as a ``jax.new_ref`` (``plgpu.kernel`` has no ``input_output_aliases``); like every impl
+back out. Static ways to move state, inputs and ``o`` (``state_io``): "direct16" / "direct64" /
+"direct128" (plain global loads and stores straight between the refs and registers, no SMEM or barriers,
+on ``[R, K]`` blocks computed 16 rows at a time with ``K / 32`` consecutive columns per thread: 16-byte
+accesses of an f32 state; small blocks spread a small batch over more SMs, big ones keep more bytes in
+flight) and "tma" (one TMA into SMEM and one out per 64-row block, WGMMA register layout: the path for a
+``K`` the part layout cannot take); ``choose_state_io`` sets the default from the H200 measurements. The
+pool is updated in place: it is passed as a ``jax.new_ref`` (``plgpu.kernel`` has no ``input_output_aliases``); like every impl
 of ``kda_decode`` it does not donate the pool itself: inside an enclosing jit that donates the pool the
 update happens in place.
 
@@ -21,6 +21,7 @@ The norms are folded into row vectors (``S k = (S k_raw) / |k_raw|``), so no vec
 """
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -34,15 +35,18 @@ from pallas_kernels.kda.config import KdaConfig
 from pallas_kernels.kda.kernel_math import L2NORM_EPS, gate
 
 BLOCK_V = 64  # rows of a WGMMA-layout register tile: one warpgroup, 64 f32 registers per thread at K = 128
-STATE_IO = ("tma", "direct16", "direct32", "direct64")
-# Rows of a program on the "directR" paths: a [R, K] block, each thread R/4 rows x K/32 consecutive columns.
-DIRECT_ROWS = {"direct16": 16, "direct32": 32, "direct64": 64}
-# ``state_io=None`` on a batch of ``N * H`` heads (benchmarks/RESULTS.md, H200, K = V = 128): the smallest
-# block is fastest while a small grid is latency bound (N=1 H=11: 2.5 us f32 / 1.8 bf16 with 16 rows against
-# 3.7 / 2.6 with 64), the largest once it is bandwidth bound (N=256 H=96 f32: 855.5 us, 88% of copy, with 64
-# rows, 903.0 with 16, 878.5 on the TMA path). Each entry is (most heads, path); beyond the last, "direct64".
-DIRECT_RULE = {jnp.dtype(jnp.float32): ((1024, "direct16"), (4096, "direct32")),
-               jnp.dtype(jnp.bfloat16): ((128, "direct16"), (4096, "direct32"))}
+STATE_IO = ("tma", "direct16", "direct64", "direct128")
+# Rows of a program on the "directR" paths. A program loads its whole [R, K] block and computes it in
+# [DIRECT_PART, K] parts, each thread DIRECT_PART/4 rows x K/32 consecutive columns of a part.
+DIRECT_ROWS = {"direct16": 16, "direct64": 64, "direct128": 128}
+DIRECT_PART = 16
+# ``state_io=None`` on a batch of ``N * H`` heads (benchmarks/RESULTS.md, H200, K = V = 128): small blocks
+# while a small grid is latency bound (N=1 H=11: 2.5 us f32 / 1.7 bf16 with 16 rows against 4.4 / 3.3 with
+# 64), big ones once it is bandwidth bound (N=256 H=96 bf16: 484.6 us, 78% of copy, with 128 rows, 599.0
+# with 16, 649.7 on the TMA path; f32 851.3 us, 89%). Each entry is (most heads, path); beyond the last,
+# "direct128" if V allows it.
+DIRECT_RULE = {jnp.dtype(jnp.float32): ((1024, "direct16"), (4096, "direct64")),
+               jnp.dtype(jnp.bfloat16): ((128, "direct16"), (4096, "direct64"))}
 
 
 def _token_step(s, q, k, x, v, beta, *, rate, scale: float, lower_bound: float | None, state_dtype):
@@ -50,7 +54,8 @@ def _token_step(s, q, k, x, v, beta, *, rate, scale: float, lower_bound: float |
 
   Args:
     s: ``[BV, K]`` f32 state in a register layout L. q, k: ``[K]`` raw, f32, ``L.reduce(0)`` layout; x:
-    ``g_raw + dt_bias``, same. v: ``[BV]`` f32, ``L.reduce(1)`` layout. beta: ``sigmoid(beta_raw)``, f32 scalar. rate: ``exp(A_log)``.
+    ``g_raw + dt_bias``, same. v: ``[BV]`` f32, ``L.reduce(1)`` layout. beta: ``sigmoid(beta_raw)``, f32
+    scalar. rate: ``exp(A_log)``.
 
   Returns:
     The new state (f32, rounded through ``state_dtype``: the next token starts from the stored state) and
@@ -75,10 +80,10 @@ def _program_ids(block: int):
   return n, h, pl.ds(pl.multiple_of(vb * block, block), block)
 
 
-def _rows_layout(rows: int, kdim: int):
-  """Register layout of a ``[rows, K]`` f32 block: the 4 warps over groups of ``rows / 4`` rows, the 32 lanes
-  over ``K / 32`` consecutive columns each (one vector)."""
-  tiling = fragmented_array.Tiling(((rows, kdim), (rows // 4, kdim), (kdim // 32,)))
+def _part_layout(kdim: int):
+  """Register layout of a ``[DIRECT_PART, K]`` f32 part: the 4 warps over groups of ``DIRECT_PART / 4`` rows,
+  the 32 lanes over ``K / 32`` consecutive columns each (one vector)."""
+  tiling = fragmented_array.Tiling(((DIRECT_PART, kdim), (DIRECT_PART // 4, kdim), (kdim // 32,)))
   return plgpu.Layout.TILED(tiling, warp_dims=(-5,), lane_dims=(-2,), vector_dim=-1)
 
 
@@ -143,41 +148,47 @@ def _tma_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, slot
 
 def _direct_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, slots_ref, accepted_ref,
                  pool_ref, o_ref, *, steps: int, speculative: bool, scale: float, lower_bound: float | None,
-                 layout, block: int):
+                 block: int):
   """Plain global loads and stores straight between the refs and registers: no SMEM, TMA or barrier.
 
-  The state load is issued right after the slot id arrives, then the inputs, so they overlap it; each
-  later token's inputs are requested one token ahead. Each thread loads and stores the same state elements
-  (one layout), so a token that writes the slot it read from is ordered after that read.
+  The ``block`` rows are computed ``DIRECT_PART`` rows at a time (rows are independent). Every part's state
+  load is issued right after the slot id arrives, in the stored dtype, so a bf16 state waits in half the
+  registers of its f32 working copy and a program keeps more bytes in flight; then the inputs, so they
+  overlap it.
+  Each thread loads and stores the same state elements (one layout), so a token that writes the slot it
+  read from is ordered after that read.
   """
   n, h, rows = _program_ids(block)
+  part = DIRECT_PART
+  parts = [pl.ds(pl.multiple_of(rows.start + j * part, part), part) for j in range(block // part)]
+  layout = _part_layout(k_ref.shape[-1])
   col, row = layout.reduce(0), layout.reduce(1)
   load = lambda ref, layout: plgpu.load(ref, layout=layout, optimized=False).astype(jnp.float32)
   read_slot = _read_slot(slots_ref, accepted_ref, n, speculative)
 
   @pl.when(read_slot >= 0)
   def _():
-    s = load(pool_ref.at[read_slot, h, rows], layout)
-    token = lambda t: (load(q_ref.at[n, t, h], col), load(k_ref.at[n, t, h], col), load(g_ref.at[n, t, h], col),
-                       load(v_ref.at[n, t, h, rows], row), beta_ref[n, t, h])
-    nxt = token(0)
+    stored = [plgpu.load(pool_ref.at[read_slot, h, p], layout=layout, optimized=False) for p in parts]
+    tokens = [(load(q_ref.at[n, t, h], col), load(k_ref.at[n, t, h], col), load(g_ref.at[n, t, h], col),
+               jax.nn.sigmoid(beta_ref[n, t, h].astype(jnp.float32))) for t in range(steps)]
     bias = load(dt_bias_ref.at[h], col)
     rate = jnp.exp(a_log_ref[h].astype(jnp.float32))
-    for t in range(steps):
-      (q, k, g, v, beta_raw), nxt = nxt, (token(t + 1) if t + 1 < steps else None)
-      s, o = _token_step(s, q, k, g + bias, v, jax.nn.sigmoid(beta_raw.astype(jnp.float32)), rate=rate,
-                         scale=scale, lower_bound=lower_bound, state_dtype=pool_ref.dtype)
-      o_ref.at[n, t, h, rows][...] = o.astype(o_ref.dtype)
-      dst = slots_ref[n, t]
+    for p, s in zip(parts, stored):
+      s = s.astype(jnp.float32)
+      for t, (q, k, g, beta) in enumerate(tokens):
+        s, o = _token_step(s, q, k, g + bias, load(v_ref.at[n, t, h, p], row), beta, rate=rate, scale=scale,
+                           lower_bound=lower_bound, state_dtype=pool_ref.dtype)
+        o_ref.at[n, t, h, p][...] = o.astype(o_ref.dtype)
+        dst = slots_ref[n, t]
 
-      @pl.when(dst >= 0)
-      def _():
-        pool_ref.at[dst, h, rows][...] = s.astype(pool_ref.dtype)
+        @pl.when(dst >= 0)
+        def _():
+          pool_ref.at[dst, h, p][...] = s.astype(pool_ref.dtype)
 
   @pl.when(read_slot < 0)
   def _():
-    for t in range(steps):
-      o_ref.at[n, t, h, rows][...] = plgpu.layout_cast(jnp.zeros((block,), o_ref.dtype), row)
+    for t, p in itertools.product(range(steps), parts):
+      o_ref.at[n, t, h, p][...] = plgpu.layout_cast(jnp.zeros((part,), o_ref.dtype), row)
 
 
 def _launch(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool_ref, state_indices, num_accepted, *,
@@ -192,7 +203,7 @@ def _launch(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool_ref, state_indices, n
   statics = dict(steps=steps, speculative=speculative, scale=scale, lower_bound=config.lower_bound)
   if state_io in DIRECT_ROWS:
     block = DIRECT_ROWS[state_io]
-    body = functools.partial(_direct_body, layout=_rows_layout(block, kdim), block=block, **statics)
+    body = functools.partial(_direct_body, block=block, **statics)
     scratch = ()
   else:
     block, body = BLOCK_V, functools.partial(_tma_body, **statics)
@@ -227,12 +238,13 @@ def _decode(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, state_indices,
   return (o[:, 0] if single else o), pool_ref[...]
 
 
-def choose_state_io(heads: int, kdim: int, state_dtype) -> str:
-  """The default state / IO path for ``heads = N * H`` (``DIRECT_RULE``); "tma" where the row layouts
-  cannot take ``kdim``."""
+def choose_state_io(heads: int, kdim: int, vdim: int, state_dtype) -> str:
+  """The default state / IO path for ``heads = N * H`` (``DIRECT_RULE``); "tma" where the part layout cannot
+  take ``kdim``."""
   if kdim % 32 or kdim > 256:
     return "tma"
-  return next((io for most, io in DIRECT_RULE[jnp.dtype(state_dtype)] if heads <= most), "direct64")
+  rule = next((io for most, io in DIRECT_RULE[jnp.dtype(state_dtype)] if heads <= most), "direct128")
+  return "direct64" if vdim % DIRECT_ROWS[rule] else rule
 
 
 def kda_decode_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_raw: jax.Array,
@@ -248,10 +260,10 @@ def kda_decode_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array
     state_indices: ``[N]`` or ``[N, 1 + S]`` int32; num_accepted: ``[N]`` int32 (speculative form) or None.
     config: ``KdaConfig`` (gate kind, scale, state dtype).
     interpret: run in Mosaic GPU interpret mode (CPU).
-    state_io: how state, inputs and ``o`` move: "direct16" / "direct32" / "direct64" (plain global loads
-      and stores into registers on blocks of that many rows; need ``K % 32 == 0`` and ``K <= 256``), "tma"
-      (TMA through SMEM, 64-row blocks), or None for ``choose_state_io(N * H, K, state dtype)``. All give
-      the same results.
+    state_io: how state, inputs and ``o`` move: "direct16" / "direct64" / "direct128" (plain global loads
+      and stores into registers, on blocks of that many rows computed 16 rows at a time; need
+      ``K % 32 == 0``, ``K <= 256`` and ``V`` a multiple of the rows), "tma" (TMA through SMEM, 64-row
+      blocks), or None for ``choose_state_io(N * H, K, V, state dtype)``. All give the same results.
 
   Returns:
     ``o`` (q's shape with V last, q's dtype) and the new pool.
@@ -259,16 +271,18 @@ def kda_decode_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array
   Raises:
     ValueError: ``state_io`` not None or one of ``STATE_IO``.
     NotImplementedError: ``V`` not a multiple of 64, ``K`` not a multiple of 8 (the WGMMA tile), or a
-      "directR" ``K`` that is not a multiple of 32 up to 256 (one vector of columns per lane).
+      "directR" path with ``K`` not a multiple of 32 up to 256 (one vector of columns per lane) or ``V``
+      not a multiple of ``R``.
   """
   vdim, kdim = state_pool.shape[-2:]
   if state_io is not None and state_io not in STATE_IO:
     raise ValueError(f"state_io must be None or one of {STATE_IO}, got {state_io!r}")
   if vdim % BLOCK_V or kdim % 8:
     raise NotImplementedError(f"the decode kernel needs V % {BLOCK_V} == 0 and K % 8 == 0, got V={vdim}, K={kdim}")
-  if state_io in DIRECT_ROWS and (kdim % 32 or kdim > 256):
-    raise NotImplementedError(f'state_io="{state_io}" needs K % 32 == 0 and K <= 256, got K={kdim}')
+  if state_io in DIRECT_ROWS and (kdim % 32 or kdim > 256 or vdim % DIRECT_ROWS[state_io]):
+    raise NotImplementedError(f'state_io="{state_io}" needs K % 32 == 0, K <= 256 and '
+                              f'V % {DIRECT_ROWS[state_io]} == 0, got K={kdim}, V={vdim}')
   if state_io is None:
-    state_io = choose_state_io(q.shape[0] * q.shape[-2], kdim, state_pool.dtype)
+    state_io = choose_state_io(q.shape[0] * q.shape[-2], kdim, vdim, state_pool.dtype)
   return _decode(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, state_indices, num_accepted,
                  config=config, interpret=interpret, state_io=state_io)
