@@ -210,8 +210,8 @@ def main():
       fla_cols = (f"{row['fla_called_us']:10.1f} {row['fla_graph_us']:7.1f} {row['fla_kernel_us']:7.1f} | "
                   f"{row['vs_fla']:6.2f} {row['max_abs_diff_o']:8.1e}") if have_fla else "-"
       path_us = " ".join(f"{row[io + '_us']:11.1f}" for io in STATE_IO)
-      print(f"{n:4d} {h:3d} {row['state'][:5]:>5} | {path_us} {row['auto']:>8} {row['ours_called_us']:7.1f} {row['gbps']:6.0f} "
-            f"{100 * row['copy_frac']:5.1f} | {fla_cols}", flush=True)
+      print(f"{n:4d} {h:3d} {row['state'][:5]:>5} | {path_us} {row['auto']:>8} {row['ours_called_us']:7.1f} "
+            f"{row['gbps']:6.0f} {100 * row['copy_frac']:5.1f} | {fla_cols}", flush=True)
   print("kernels in our call:", sorted({name for r in rows for name in r["kernels"]}))
   if args.json:
     with open(args.json, "w") as fh:

@@ -10,9 +10,9 @@ on ``[R, K]`` blocks computed 16 rows at a time with ``K / 32`` consecutive colu
 accesses of an f32 state; small blocks spread a small batch over more SMs, big ones keep more bytes in
 flight) and "tma" (one TMA into SMEM and one out per 64-row block, WGMMA register layout: the path for a
 ``K`` the part layout cannot take); ``choose_state_io`` sets the default from the H200 measurements. The
-pool is updated in place: it is passed as a ``jax.new_ref`` (``plgpu.kernel`` has no ``input_output_aliases``); like every impl
-of ``kda_decode`` it does not donate the pool itself: inside an enclosing jit that donates the pool the
-update happens in place.
+pool is updated in place: it is passed as a ``jax.new_ref`` (``plgpu.kernel`` has no
+``input_output_aliases``); like every impl of ``kda_decode`` it does not donate the pool itself: inside an
+enclosing jit that donates the pool the update happens in place.
 
 Per token, with ``S`` V-first ``[BV, K]`` (spec ``kda.md`` §3, §7), all in f32:
 ``S *= exp(g)[None, :]``, ``u = beta * (v - S k)``, ``S += u k^T``, ``o = scale * S q``; q and k are
@@ -78,6 +78,11 @@ def _program_ids(block: int):
   """``(n, h, V rows)`` of this program (``block`` rows); the read slot is taken by the caller."""
   vb, h, n = lax.axis_index("vb"), lax.axis_index("h"), lax.axis_index("n")
   return n, h, pl.ds(pl.multiple_of(vb * block, block), block)
+
+
+def _direct_fits(kdim: int, vdim: int, rows: int) -> bool:
+  """Whether a "direct" path of ``rows`` rows takes these head sizes (one vector of K columns per lane)."""
+  return kdim % 32 == 0 and kdim <= 256 and vdim % rows == 0
 
 
 def _part_layout(kdim: int):
@@ -154,9 +159,8 @@ def _direct_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, s
   The ``block`` rows are computed ``DIRECT_PART`` rows at a time (rows are independent). Every part's state
   load is issued right after the slot id arrives, in the stored dtype, so a bf16 state waits in half the
   registers of its f32 working copy and a program keeps more bytes in flight; then the inputs, so they
-  overlap it.
-  Each thread loads and stores the same state elements (one layout), so a token that writes the slot it
-  read from is ordered after that read.
+  overlap it. Each thread loads and stores the same state elements (one layout), so a token that writes
+  the slot it read from is ordered after that read.
   """
   n, h, rows = _program_ids(block)
   part = DIRECT_PART
@@ -239,12 +243,10 @@ def _decode(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, state_indices,
 
 
 def choose_state_io(heads: int, kdim: int, vdim: int, state_dtype) -> str:
-  """The default state / IO path for ``heads = N * H`` (``DIRECT_RULE``); "tma" where the part layout cannot
-  take ``kdim``."""
-  if kdim % 32 or kdim > 256:
-    return "tma"
-  rule = next((io for most, io in DIRECT_RULE[jnp.dtype(state_dtype)] if heads <= most), "direct128")
-  return "direct64" if vdim % DIRECT_ROWS[rule] else rule
+  """The default state / IO path for ``heads = N * H`` (``DIRECT_RULE``); "direct64" where ``V`` does not
+  take the rule's block, "tma" where the part layout cannot take ``K``."""
+  path = next((io for most, io in DIRECT_RULE[jnp.dtype(state_dtype)] if heads <= most), "direct128")
+  return next((io for io in (path, "direct64") if _direct_fits(kdim, vdim, DIRECT_ROWS[io])), "tma")
 
 
 def kda_decode_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_raw: jax.Array,
@@ -279,7 +281,7 @@ def kda_decode_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array
     raise ValueError(f"state_io must be None or one of {STATE_IO}, got {state_io!r}")
   if vdim % BLOCK_V or kdim % 8:
     raise NotImplementedError(f"the decode kernel needs V % {BLOCK_V} == 0 and K % 8 == 0, got V={vdim}, K={kdim}")
-  if state_io in DIRECT_ROWS and (kdim % 32 or kdim > 256 or vdim % DIRECT_ROWS[state_io]):
+  if state_io in DIRECT_ROWS and not _direct_fits(kdim, vdim, DIRECT_ROWS[state_io]):
     raise NotImplementedError(f'state_io="{state_io}" needs K % 32 == 0, K <= 256 and '
                               f'V % {DIRECT_ROWS[state_io]} == 0, got K={kdim}, V={vdim}')
   if state_io is None:
