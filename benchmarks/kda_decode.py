@@ -8,8 +8,8 @@ through slot indices. To keep the state out of the 60 MB L2, each timed step use
 Timings:
 * one column per path of ``STATE_IO``: device time per call of our jitted function with the kernel's state /
   IO path forced to "tma" (TMA through SMEM) or "directR" (plain global loads and stores, R-row blocks);
-  every kernel it launches, from CUPTI, mean over the timed calls; the
-  names are printed, so a stray copy of the pool would show. ``ours_kernel`` is the fastest path, ``auto``
+  every kernel it launches, from CUPTI, mean over the timed calls; the names are printed, so a stray copy
+  of the pool would show. ``ours_kernel`` is the fastest path, ``auto``
   the path the kernel's default rule picks for the shape;
 * ``ours_called``: wall time per call from Python, dispatch included (median of 3 loops), faster path;
 * ``fla_called``: FLA per call from Python (CUDA events around a loop of calls, median of 3 loops);

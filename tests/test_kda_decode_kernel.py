@@ -163,6 +163,13 @@ def test_lowers_for_cuda(state_io, n, single, lower_bound, state_dtype, dtype):
   assert "mosaic_gpu" in text
 
 
+def _one_token_call(kdim: int, vdim: int, state_io: str | None = None):
+  """``kda_decode_mosaic`` in interpret mode on one sequence x one token of one head, pool slot 0."""
+  args, pool = _inputs(4, 1, 1, 1, kdim, vdim, 2)
+  return kda_decode_mosaic(*[a[:, 0] if i < 5 else a for i, a in enumerate(args)], pool, jnp.asarray([0], jnp.int32),
+                           None, config=KdaConfig(impl="interpret"), interpret=True, state_io=state_io)
+
+
 def test_state_io_rule_and_validation():
   choose = decode_kernel.choose_state_io
   assert [choose(heads, 128, 128, jnp.float32) for heads in (11, 1024, 1025, 4096, 4097)] == [
@@ -171,26 +178,18 @@ def test_state_io_rule_and_validation():
       "direct16", "direct16", "direct64", "direct64", "direct128"]
   assert choose(4097, 128, 192, jnp.float32) == "direct64"  # V is not a multiple of 128
   assert choose(1, 48, 128, jnp.float32) == choose(1, 288, 128, jnp.bfloat16) == "tma"
-  args, pool = _inputs(4, 1, 1, 1, 64, 64, 2)
   with pytest.raises(ValueError, match="state_io must be None or one of .*, got 'smem'"):
-    kda_decode_mosaic(*[a[:, 0] if i < 5 else a for i, a in enumerate(args)], pool, jnp.asarray([0], jnp.int32),
-                      None, config=KdaConfig(impl="interpret"), interpret=True, state_io="smem")
+    _one_token_call(64, 64, "smem")
 
 
 def test_rejects_unsupported_head_sizes():
-  args, pool = _inputs(4, 1, 1, 1, 64, 32, 2)
   with pytest.raises(NotImplementedError, match="V % 64 == 0 and K % 8 == 0, got V=32, K=64"):
-    kda_decode_mosaic(*[a[:, 0] if i < 5 else a for i, a in enumerate(args)], pool,
-                      jnp.asarray([0], jnp.int32), None, config=KdaConfig(impl="interpret"), interpret=True)
-  args, pool = _inputs(4, 1, 1, 1, 48, 64, 2)
+    _one_token_call(64, 32)
   with pytest.raises(NotImplementedError, match='"direct16" needs K % 32 == 0, K <= 256 and V % 16 == 0, '
                                                'got K=48, V=64'):
-    kda_decode_mosaic(*[a[:, 0] if i < 5 else a for i, a in enumerate(args)], pool, jnp.asarray([0], jnp.int32),
-                      None, config=KdaConfig(impl="interpret"), interpret=True, state_io="direct16")
-  args, pool = _inputs(4, 1, 1, 1, 64, 64, 2)
+    _one_token_call(48, 64, "direct16")
   with pytest.raises(NotImplementedError, match='"direct128" needs .* V % 128 == 0, got K=64, V=64'):
-    kda_decode_mosaic(*[a[:, 0] if i < 5 else a for i, a in enumerate(args)], pool, jnp.asarray([0], jnp.int32),
-                      None, config=KdaConfig(impl="interpret"), interpret=True, state_io="direct128")
+    _one_token_call(64, 64, "direct128")
 
 
 @pytest.mark.gpu
