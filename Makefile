@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?= -n 2
 
-.PHONY: demo test test-gpu notebooks clean venv
+.PHONY: demo test test-gpu gpu-check notebooks clean venv
 
 venv: $(STAMP)
 
@@ -23,6 +23,11 @@ test: $(STAMP)
 # On a Hopper machine: the same suite compiled (gpu-marked tests run, interpret tests too).
 test-gpu:
 	PYTHONPATH=. python3 -m pytest -m gpu -p no:cacheprovider
+
+# On a Hopper machine with the image's python3: GPU tests, randomized tests (GPU budget), the demo and each
+# benchmark's quick mode, summarised in one table (gpu-check-out/gpu-check.md). GPU_CHECK_ARGS picks sections.
+gpu-check:
+	PYTHONPATH=. python3 tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 # Re-execute every notebook from a clean kernel and store its outputs (what readers see on the code host).
 notebooks: $(STAMP)

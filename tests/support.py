@@ -1,0 +1,23 @@
+"""Shared test support: the example budget of the randomized (property-based) differential tests.
+
+The randomized tests draw whole batches (lengths, slots, gates, pages) with ``hypothesis``. Their budget is
+fixed per test: a small one on the CPU (CI runs the kernels in interpret mode, which is slow) and a larger one
+on a Hopper GPU (``make gpu-check``). ``K3JAX_EXAMPLES`` multiplies both (e.g. ``K3JAX_EXAMPLES=4`` for a
+longer hunt). CPU runs are derandomized, so CI draws the same examples every time; GPU runs draw new ones.
+"""
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+from pallas_kernels import _util
+
+
+def budget(cpu: int, gpu: int) -> settings:
+  """``hypothesis.settings`` for a randomized test: ``cpu`` examples without a Hopper GPU, ``gpu`` with one."""
+  scale = float(os.environ.get("K3JAX_EXAMPLES", "1"))
+  on_gpu = _util.is_hopper_gpu()
+  return settings(max_examples=max(1, round((gpu if on_gpu else cpu) * scale)), deadline=None,
+                  derandomize=not on_gpu, database=None, print_blob=True,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                         HealthCheck.function_scoped_fixture])

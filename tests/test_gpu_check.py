@@ -1,0 +1,39 @@
+"""`make gpu-check`'s runner and summarisers, on the CPU (the sections themselves need a Hopper GPU)."""
+
+import json
+import pathlib
+import sys
+
+from tools import gpu_check
+
+
+def test_run_section_passes_and_fails_by_exit_status(tmp_path):
+  ok = gpu_check.Section("ok", (sys.executable, "-c", "print('== 3 passed, 1 skipped in 2.0s ==')"), 60,
+                         gpu_check._pytest_summary)
+  res = gpu_check.run_section(ok, tmp_path)
+  assert res.ok and res.summary == "3 passed, 1 skipped in 2.0s"
+  assert (tmp_path / "ok.log").read_text().startswith("== 3 passed")
+  bad = gpu_check.Section("bad", (sys.executable, "-c", "print('1 failed, 2 passed'); raise SystemExit(1)"), 60,
+                          gpu_check._pytest_summary)
+  res = gpu_check.run_section(bad, tmp_path)
+  assert not res.ok and res.summary.startswith("FAILED (exit 1): 1 failed, 2 passed")
+
+
+def test_time_out_and_broken_summary_fail_the_section(tmp_path):
+  slow = gpu_check.Section("slow", (sys.executable, "-c", "import time; time.sleep(30)"), 1,
+                           gpu_check._pytest_summary)
+  assert not gpu_check.run_section(slow, tmp_path).ok
+  # A benchmark that exits 0 but writes no JSON has no numbers to quote: failed.
+  empty = gpu_check.Section("empty", (sys.executable, "-c", "pass"), 60, gpu_check._kda_decode)
+  res = gpu_check.run_section(empty, tmp_path)
+  assert not res.ok and "no summary" in res.summary
+
+
+def test_benchmark_summaries_quote_peer_ratios(tmp_path: pathlib.Path):
+  path = tmp_path / "rows.json"
+  path.write_text(json.dumps(dict(results=[dict(shape="N=1 T=8192 H=96", ours_ms=1.9, roofline_frac=0.5,
+                                                ratio=1.37)])))
+  assert gpu_check._kda_prefill("", path) == "N=1 T=8192 H=96 1.900 ms, 50% of roofline, 1.37x FLA"
+  path.write_text("\n".join(json.dumps(dict(batch=32, context=32768, heads=h, partial="float32", time_us=t,
+                                            frac_copy=f)) for h, t, f in ((16, 292.0, 0.98), (128, 600.0, 0.47))))
+  assert "Hq=128 float32 600.0 us, 47% of copy" in gpu_check._mla_decode("", path)

@@ -1,0 +1,197 @@
+"""`make gpu-check`: everything CI cannot see, on a Hopper GPU, summarised in one table.
+
+Sections (each a subprocess with its own time limit and log):
+  gpu-tests    ``pytest -m gpu``: the compiled kernels at real sizes
+  randomized   ``pytest tests/test_randomized_*.py`` with the GPU example budget (compiled kernels)
+  demo         ``python -m k3jax.demo`` with the Pallas kernels
+  kda-prefill, kda-decode, short-conv, mla-decode, sharded-block   each benchmark in its quick mode; the
+               summary quotes the key numbers and the ratios to the peers (FLA where it is installed)
+
+The table goes to stdout and to ``<out>/gpu-check.md`` (logs and benchmark JSON beside it); the last line is
+the one-line summary. Exit status 1 when a section fails. Run on the GPU machine with the image's python3:
+``make gpu-check`` or ``PYTHONPATH=. python3 tools/gpu_check.py [--sections NAME ...] [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+  """One check: ``argv`` (``{json}`` is replaced by its JSON path), a time limit and a summariser.
+
+  ``summary(log, json_path)`` returns the key numbers as text (raise to mark the section failed). ``env``
+  is added to the environment.
+  """
+
+  name: str
+  argv: tuple[str, ...]
+  timeout_s: int
+  summary: Callable[[str, pathlib.Path], str]
+  env: tuple[tuple[str, str], ...] = ()
+
+
+def _pytest_summary(log: str, _: pathlib.Path) -> str:
+  """pytest's closing line (``41 passed, 2 skipped in 332.10s``)."""
+  lines = [ln.strip("= ") for ln in log.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
+  return lines[-1] if lines else "no pytest summary line"
+
+
+def _demo_summary(log: str, _: pathlib.Path) -> str:
+  """The demo's check lines, shortened to their verdicts."""
+  checks = [ln for ln in log.splitlines() if ln.startswith(("consistency", "sharded =="))]
+  return "; ".join(ln.split(":")[0] + ": " + ln.rsplit(": ", 1)[-1] for ln in checks)
+
+
+def _rows(path: pathlib.Path) -> list[dict]:
+  """Benchmark rows from a JSON file (a list, ``{"results": [...]}``, or JSON lines)."""
+  text = path.read_text()
+  try:
+    data = json.loads(text)
+  except json.JSONDecodeError:
+    return [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+  return data["results"] if isinstance(data, dict) else data
+
+
+def _ratio(row: dict, key: str, peer: str) -> str:
+  return f", {row[key]:.2f}x {peer}" if row.get(key) is not None else ""
+
+
+def _kda_prefill(_: str, path: pathlib.Path) -> str:
+  return "; ".join(f"{r['shape']} {r['ours_ms']:.3f} ms, {r['roofline_frac']:.0%} of roofline"
+                   f"{_ratio(r, 'ratio', 'FLA')}" for r in _rows(path))
+
+
+def _kda_decode(_: str, path: pathlib.Path) -> str:
+  return "; ".join(f"N={r['N']} H={r['H']} {r['state']} {r['ours_us']:.1f} us, {r['copy_frac']:.0%} of copy"
+                   f"{_ratio(r, 'vs_fla', 'FLA')}" for r in _rows(path))
+
+
+def _short_conv(_: str, path: pathlib.Path) -> str:
+  return "; ".join(f"{r['phase']} N={r['N']} H={r['H']} {r['conv_us']:.1f} us, "
+                   f"{r['conv_xla_us'] / r['conv_us']:.2f}x XLA" for r in _rows(path))
+
+
+def _mla_decode(_: str, path: pathlib.Path) -> str:
+  return "; ".join(f"B={r['batch']} ctx={r['context']} Hq={r['heads']} {r['partial']} {r['time_us']:.1f} us, "
+                   f"{r['frac_copy']:.0%} of copy" for r in _rows(path))
+
+
+def _sharded_block(_: str, path: pathlib.Path) -> str:
+  r = _rows(path)[-1]
+  return (f"prefill {r['prefill_ms']:.1f} ms ({r['prefill_tok_s']:,.0f} tok/s), decode {r['decode_ms']:.2f} ms/step, "
+          f"peak {r['peak_gib']:.1f} GiB/device")
+
+
+PY = sys.executable
+# The test sections are bound by kernel compiles on the host's cores: pytest-xdist workers share the GPU,
+# each allocating on demand (JAX would otherwise take 75% of the GPU's memory per process). The benchmarks
+# run alone, one process at a time.
+PYTEST = (PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "4")
+SHARED_GPU = (("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),)
+SECTIONS = (
+    Section("gpu-tests", PYTEST + ("-m", "gpu"), 590, _pytest_summary, SHARED_GPU),
+    Section("randomized", PYTEST + ("-k", "randomized", "tests"), 590, _pytest_summary, SHARED_GPU),
+    Section("demo", (PY, "-m", "k3jax.demo"), 300, _demo_summary),
+    Section("kda-prefill", (PY, "benchmarks/kda_prefill.py", "--shapes", "0", "3", "--json", "{json}"), 400,
+            _kda_prefill),
+    Section("kda-decode", (PY, "benchmarks/kda_decode.py", "--quick", "--json", "{json}"), 400, _kda_decode),
+    Section("short-conv", (PY, "benchmarks/short_conv.py", "--json", "{json}"), 400, _short_conv),
+    Section("mla-decode", (PY, "benchmarks/mla_decode.py", "--batch", "32", "--context", "32768", "--heads", "16",
+                           "128", "--json", "{json}"), 400, _mla_decode),
+    Section("sharded-block", (PY, "benchmarks/sharded_block.py", "--devices", "1", "--experts", "16", "--seqs", "2",
+                              "--prompt-len", "1024", "--context", "4096", "--decode-steps", "2", "--reps", "1",
+                              "--json", "{json}"), 400, _sharded_block),
+)
+
+
+@dataclasses.dataclass
+class Result:
+  name: str
+  ok: bool
+  seconds: float
+  summary: str
+
+
+def run_section(section: Section, out: pathlib.Path) -> Result:
+  """Runs one section, writing ``<out>/<name>.log``; a non-zero exit, a time-out or a summariser error fails."""
+  json_path = out / f"{section.name}.json"
+  json_path.unlink(missing_ok=True)
+  argv = [a.replace("{json}", str(json_path)) for a in section.argv]
+  env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **dict(section.env))
+  t0 = time.perf_counter()
+  print(f"[gpu-check] {section.name}: {' '.join(argv)}", flush=True)
+  try:
+    proc = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=section.timeout_s)
+    log, ok, why = proc.stdout, proc.returncode == 0, f"exit {proc.returncode}"
+  except subprocess.TimeoutExpired as e:
+    log = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    ok, why = False, f"timed out after {section.timeout_s} s"
+  seconds = time.perf_counter() - t0
+  (out / f"{section.name}.log").write_text(log)
+  try:
+    summary = section.summary(log, json_path)
+  except Exception as e:  # a summariser error is a failure of the section, never of the whole run
+    ok, summary = False, f"no summary ({type(e).__name__}: {e})"
+  if not ok:
+    summary = f"FAILED ({why}): {summary}\n" + "\n".join(log.splitlines()[-25:])
+  print(f"[gpu-check] {section.name}: {'ok' if ok else 'FAILED'} in {seconds:.0f} s", flush=True)
+  return Result(section.name, ok, seconds, summary)
+
+
+def _commit() -> str:
+  try:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return os.environ.get("K3JAX_COMMIT", "unknown")
+
+
+def main(argv: list[str] | None = None) -> int:
+  names = [s.name for s in SECTIONS]
+  parser = argparse.ArgumentParser(prog="tools/gpu_check.py", description=__doc__.splitlines()[0])
+  parser.add_argument("--sections", nargs="+", choices=names, default=names, help="which sections, in order")
+  parser.add_argument("--out", default=str(ROOT / "gpu-check-out"), help="folder for the table, logs and JSON")
+  parser.add_argument("--commit", default=None, help="commit to name in the table (default: git's HEAD)")
+  args = parser.parse_args(argv)
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  import jax  # after argparse, so --help works anywhere
+
+  device = jax.devices()[0]
+  if device.platform != "gpu" or not str(getattr(device, "compute_capability", "")).startswith("9"):
+    print(f"gpu-check needs a Hopper GPU (sm_90a); the default device is {device.device_kind}", file=sys.stderr)
+    return 2
+  commit = args.commit or _commit()
+  results = [run_section(s, out) for s in SECTIONS if s.name in args.sections]
+  passed = sum(r.ok for r in results)
+  stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+  line = (f"gpu-check: {'PASS' if passed == len(results) else 'FAIL'} {passed}/{len(results)} sections "
+          f"({', '.join(r.name + (' ok' if r.ok else ' FAILED') for r in results)}) at {commit} on "
+          f"{device.device_kind}, jax {jax.__version__}, {stamp}")
+  table = ["| section | result | time | key numbers |", "|---|---|---|---|"]
+  table += [f"| {r.name} | {'pass' if r.ok else 'FAIL'} | {r.seconds:.0f} s | "
+            f"{r.summary.splitlines()[0] if r.summary else ''} |" for r in results]
+  details = [f"\n### {r.name}\n```\n{r.summary}\n```" for r in results if not r.ok]
+  text = "\n".join(table + details + ["", line]) + "\n"
+  (out / "gpu-check.md").write_text(text)
+  print("\n" + text, flush=True)
+  return 0 if passed == len(results) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
