@@ -29,6 +29,69 @@ from pallas_kernels.kda import checks
 Mixer = Callable[[nnx.Module, jax.Array], jax.Array]
 
 
+def _check_token_ids(tokens: jax.Array, vocab_size: int) -> None:
+  """Token ids in ``[0, vocab_size)`` when concrete: the embedding gather would wrap or clamp any other id."""
+  ids = _util.concrete(tokens)
+  if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+    raise ValueError(f"tokens must be ids in [0, vocab_size = {vocab_size}), got values in "
+                     f"[{ids.min()}, {ids.max()}]")
+
+
+def check_prefill_inputs(tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache, *, vocab_size: int) -> None:
+  """The arguments of ``KimiK3Model.prefill``: shapes and dtypes always, index values when they are concrete.
+
+  Values are checked on the host (``cache.seq_lens`` is copied from the device) only for concrete arrays, so
+  under a jit of the caller's the values go unchecked (see ``prefill``).
+
+  Args:
+    tokens: ``[T]`` int32 ids in ``[0, vocab_size)``.
+    cu_seqlens: ``[N + 1]`` int32, non-decreasing from 0 to T, ``N`` the cache's sequences.
+    cache: ``ModelCache``; ``seq_lens[n] + L_n`` must fit its capacity (``dcp.capacity`` on the ambient mesh).
+    vocab_size: the real vocabulary (a padded model's ``cfg.vocab_size`` counts padding rows).
+
+  Raises:
+    ValueError: naming the argument, what was expected and what was given.
+  """
+  num_seqs, max_pages = cache.block_table.shape
+  _util.check_shape("tokens", tokens, (None,))
+  _util.check_dtype("tokens", tokens, (jnp.int32,))
+  _util.check_shape("cu_seqlens", cu_seqlens, (num_seqs + 1,))
+  _util.check_dtype("cu_seqlens", cu_seqlens, (jnp.int32,))
+  _check_token_ids(tokens, vocab_size)
+  t = tokens.shape[0]
+  cu, cached = _util.concrete(cu_seqlens), _util.concrete(cache.seq_lens)
+  checks.check_pointer("cu_seqlens", cu, t, f"T = {t}")
+  if cu is not None:
+    total = np.diff(cu) + (cached if cached is not None else 0)
+    # On a mesh the cache is a DCP cache: each block-table row addresses max_pages pages on every device.
+    limit = dcp.capacity(max_pages, page_size=PAGE_SIZE)
+    if total.max(initial=0) > limit:
+      raise ValueError(f"cu_seqlens must give lengths that fit the cache capacity {limit} after the cached "
+                       f"tokens {None if cached is None else cached.tolist()}, got {cu.tolist()}")
+
+
+def check_decode_inputs(tokens: jax.Array, cache: ModelCache, *, vocab_size: int) -> None:
+  """The arguments of ``KimiK3Model.decode``, checked as ``check_prefill_inputs`` checks a prefill's.
+
+  Args:
+    tokens: ``[N]`` int32 ids in ``[0, vocab_size)``.
+    cache: ``ModelCache`` whose every sequence has room for one more token (``seq_lens < capacity``).
+    vocab_size: the real vocabulary.
+
+  Raises:
+    ValueError: naming the argument, what was expected and what was given.
+  """
+  num_seqs, max_pages = cache.block_table.shape
+  _util.check_shape("tokens", tokens, (num_seqs,))
+  _util.check_dtype("tokens", tokens, (jnp.int32,))
+  _check_token_ids(tokens, vocab_size)
+  cached = _util.concrete(cache.seq_lens)
+  limit = dcp.capacity(max_pages, page_size=PAGE_SIZE)
+  if cached is not None and cached.max(initial=0) >= limit:
+    raise ValueError(f"cache.seq_lens must be < the cache capacity {limit} (room for one more token per "
+                     f"sequence), got {cached.tolist()}")
+
+
 class DecoderLayer(nnx.Module):
   """Pre-norm layer: ``self_attn`` (KDA or MLA) then ``mlp`` (dense) or ``block_sparse_moe``.
 
@@ -87,7 +150,7 @@ class KimiK3Model(nnx.Module):
   """Embedding, decoder layers, (output attention residual mix), final norm and LM head.
 
   ``prefill`` / ``decode`` return f32 logits and the updated ``ModelCache``; wrap them with
-  ``k3jax.prefill`` / ``k3jax.decode`` (jitted, cache donated).
+  ``k3jax.prefill`` / ``k3jax.decode`` (index values checked on the host, then jitted with the cache donated).
   """
 
   def __init__(self, cfg: K3Config, *, rngs: nnx.Rngs):
@@ -141,30 +204,24 @@ class KimiK3Model(nnx.Module):
     ``L_n == 0`` leaves sequence n untouched. Restart a sequence by setting its ``seq_lens`` entry to 0.
 
     Args:
-      tokens: ``[T]`` int32 token ids of N packed sequences.
+      tokens: ``[T]`` int32 token ids in ``[0, vocab_size)`` of N packed sequences (T = 0 allowed).
       cu_seqlens: ``[N + 1]`` int32 with ``cu_seqlens[0] = 0``, non-decreasing, ``cu_seqlens[N] = T``;
         ``N`` equals the cache's number of sequences and ``seq_lens[n] + L_n`` fits the cache capacity
         (``max_pages * 64`` tokens, times the devices of the ambient mesh for a DCP cache).
       cache: ``ModelCache``.
 
     Returns:
-      ``logits [T, vocab]`` f32 and the updated cache (``seq_lens + L``).
+      ``logits [T, vocab]`` f32 and the updated cache (``seq_lens + L``; the same cache when T = 0).
+
+    Raises:
+      ValueError: from ``check_prefill_inputs``; index values only when they are concrete (``k3jax.prefill``
+        checks them before its jit).
     """
-    num_seqs, max_pages = cache.block_table.shape
-    _util.check_shape("tokens", tokens, (None,))
-    _util.check_dtype("tokens", tokens, (jnp.int32,))
-    _util.check_shape("cu_seqlens", cu_seqlens, (num_seqs + 1,))
-    _util.check_dtype("cu_seqlens", cu_seqlens, (jnp.int32,))
+    check_prefill_inputs(tokens, cu_seqlens, cache, vocab_size=self.cfg.vocab_size)
     t = tokens.shape[0]
-    cu, cached = _util.concrete(cu_seqlens), _util.concrete(cache.seq_lens)
-    checks.check_pointer("cu_seqlens", cu, t, f"T = {t}")
-    if cu is not None:
-      total = np.diff(cu) + (cached if cached is not None else 0)
-      # On a mesh the cache is a DCP cache: each block-table row addresses max_pages pages on every device.
-      limit = dcp.capacity(max_pages, page_size=PAGE_SIZE)
-      if total.max(initial=0) > limit:
-        raise ValueError(f"cu_seqlens must give lengths that fit the cache capacity {limit} after the cached "
-                         f"tokens {None if cached is None else cached.tolist()}, got {cu.tolist()}")
+    if t == 0:
+      # Every L_n is 0: no sequence changes, and no layer has a row to run on.
+      return jnp.zeros((0, self.cfg.vocab_size), jnp.float32), cache
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     seq = (jnp.searchsorted(cu_seqlens, jnp.arange(t, dtype=jnp.int32), side="right") - 1).astype(jnp.int32)
     pos = jnp.arange(t, dtype=jnp.int32) - cu_seqlens[seq] + cache.seq_lens[seq]
@@ -187,14 +244,17 @@ class KimiK3Model(nnx.Module):
     """One decode step: token n extends sequence n of the cache.
 
     Args:
-      tokens: ``[N]`` int32. cache: ``ModelCache`` (every sequence must have room for one more token).
+      tokens: ``[N]`` int32 ids in ``[0, vocab_size)``. cache: ``ModelCache`` (every sequence must have room for
+        one more token).
 
     Returns:
       ``logits [N, vocab]`` f32 and the updated cache (``seq_lens + 1``).
+
+    Raises:
+      ValueError: from ``check_decode_inputs``; index values only when they are concrete (``k3jax.decode``
+        checks them before its jit).
     """
-    num_seqs = cache.block_table.shape[0]
-    _util.check_shape("tokens", tokens, (num_seqs,))
-    _util.check_dtype("tokens", tokens, (jnp.int32,))
+    check_decode_inputs(tokens, cache, vocab_size=self.cfg.vocab_size)
 
     def kda_fn(attn: KdaLayer, h, state: KdaState):
       return attn.decode(h, state, state_indices=cache.state_indices)
@@ -208,13 +268,51 @@ class KimiK3Model(nnx.Module):
 
 
 @functools.partial(nnx.jit, donate_argnames=("cache",))
-def prefill(model: KimiK3Model, tokens: jax.Array, cu_seqlens: jax.Array,
-            cache: ModelCache) -> tuple[jax.Array, ModelCache]:
-  """Jitted ``model.prefill`` with the cache donated (updated in place)."""
+def _prefill_step(model: KimiK3Model, tokens: jax.Array, cu_seqlens: jax.Array,
+                  cache: ModelCache) -> tuple[jax.Array, ModelCache]:
   return model.prefill(tokens, cu_seqlens, cache)
 
 
 @functools.partial(nnx.jit, donate_argnames=("cache",))
-def decode(model: KimiK3Model, tokens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
-  """Jitted ``model.decode`` with the cache donated (updated in place)."""
+def _decode_step(model: KimiK3Model, tokens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
   return model.decode(tokens, cache)
+
+
+def prefill(model: KimiK3Model, tokens: jax.Array, cu_seqlens: jax.Array,
+            cache: ModelCache) -> tuple[jax.Array, ModelCache]:
+  """``model.prefill`` jitted with the cache donated (updated in place), after a host check of the values.
+
+  The arguments are concrete here, so ``check_prefill_inputs`` checks the token ids, ``cu_seqlens`` and the
+  capacity left after ``cache.seq_lens`` (a small device-to-host copy) before the step runs; a rejected call
+  raises ``ValueError`` and donates nothing. A caller who runs ``model.prefill`` under a jit of their own gets
+  shape and dtype checks only, since traced values cannot be read: an id outside ``[0, vocab)`` then embeds as
+  another token (negative ids wrap, large ones clamp), a malformed ``cu_seqlens`` mixes or drops tokens, and
+  tokens past the capacity overwrite other latent rows of the cache. Such a caller runs
+  ``k3jax.model.check_prefill_inputs`` on the host first.
+
+  Args:
+    model: the model. tokens: ``[T]`` int32. cu_seqlens: ``[N + 1]`` int32. cache: ``ModelCache`` (donated).
+
+  Returns:
+    ``logits [T, vocab]`` f32 and the updated cache, as ``KimiK3Model.prefill``.
+  """
+  check_prefill_inputs(tokens, cu_seqlens, cache, vocab_size=model.cfg.vocab_size)
+  return _prefill_step(model, tokens, cu_seqlens, cache)
+
+
+def decode(model: KimiK3Model, tokens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
+  """``model.decode`` jitted with the cache donated (updated in place), after a host check of the values.
+
+  As ``prefill``: ``check_decode_inputs`` checks the token ids and that every sequence has room for one more
+  token before the step runs. Under a jit of the caller's own the values go unchecked: a bad id embeds as
+  another token and a full sequence overwrites another latent row of the cache (run
+  ``k3jax.model.check_decode_inputs`` on the host first).
+
+  Args:
+    model: the model. tokens: ``[N]`` int32. cache: ``ModelCache`` (donated).
+
+  Returns:
+    ``logits [N, vocab]`` f32 and the updated cache, as ``KimiK3Model.decode``.
+  """
+  check_decode_inputs(tokens, cache, vocab_size=model.cfg.vocab_size)
+  return _decode_step(model, tokens, cache)

@@ -642,22 +642,31 @@ class ModelStep:
   """Jitted, sharded ``prefill`` / ``decode`` of a placed model (``jit_model_step``).
 
   Both take and return a cache from ``init_cache`` (donated: pass the returned one on) and return f32
-  logits over the real vocabulary, replicated.
+  logits over the real vocabulary, replicated. Like ``k3jax.prefill``/``decode`` they check the index values
+  of their concrete arguments on the host (``k3jax.model.check_prefill_inputs``/``check_decode_inputs``, the
+  capacity counted on this mesh) before the jitted step: a rejected call donates nothing.
   """
 
   mesh: jax.sharding.Mesh
   state: nnx.State
   prefill_jit: Callable
   decode_jit: Callable
+  vocab_size: int
 
   def prefill(self, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
     """``KimiK3Model.prefill`` (``tokens [T]``, ``cu_seqlens [N + 1]``) -> ``(logits [T, vocab], cache)``."""
+    from k3jax import model  # model imports dcp, which imports this module
     with jax.set_mesh(self.mesh):
+      model.check_prefill_inputs(tokens, cu_seqlens, cache, vocab_size=self.vocab_size)
+      if tokens.shape[0] == 0:  # every L_n is 0: nothing changes (as KimiK3Model.prefill)
+        return jnp.zeros((0, self.vocab_size), jnp.float32), cache
       return self.prefill_jit(self.state, tokens, cu_seqlens, cache)
 
   def decode(self, tokens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
     """``KimiK3Model.decode`` (``tokens [N]``) -> ``(logits [N, vocab], cache)``."""
+    from k3jax import model  # model imports dcp, which imports this module
     with jax.set_mesh(self.mesh):
+      model.check_decode_inputs(tokens, cache, vocab_size=self.vocab_size)
       return self.decode_jit(self.state, tokens, cache)
 
   def compiled_text(self, kind: str, *args) -> str:
@@ -704,7 +713,7 @@ def jit_model_step(model: nnx.Module, mesh: jax.sharding.Mesh, *, vocab_size: in
     return checked(lambda: nnx.merge(graphdef, state).decode(tokens, cache))
 
   return ModelStep(
-      mesh=mesh, state=state,
+      mesh=mesh, state=state, vocab_size=vocab,
       prefill_jit=jax.jit(prefill, in_shardings=(params, whole, whole, caches), out_shardings=(whole, caches),
                           donate_argnums=3, compiler_options=compiler_options),
       decode_jit=jax.jit(decode, in_shardings=(params, whole, caches), out_shardings=(whole, caches),

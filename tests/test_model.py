@@ -1,5 +1,6 @@
 """Whole model: prefill vs a float64 NumPy forward, prefill == prefill + decodes, varlen == alone, impls,
-storage dtypes, the jitted API with a donated cache, and input validation.
+storage dtypes, the jitted API with a donated cache (its host checks of index values, an empty prefill), and
+input validation.
 
 Every prefill here has the same T and N so that one compiled prefill and one compiled decode serve a
 config: a third "filler" sequence takes whatever tokens the two real sequences do not use.
@@ -279,6 +280,46 @@ def test_jitted_api_donates_the_cache():
   np.testing.assert_array_equal(np.asarray(cache.seq_lens), [5, 7])
 
 
+def _kda_mla_model(seed: int):
+  """A 2-layer model (one KDA, one MLA layer) for the tests of the jitted API."""
+  cfg = cfg_lib.preset("tiny_linear", **{**F32, "num_hidden_layers": 2, "layer_types": ("kda", "mla")})
+  return cfg, k3jax.KimiK3Model(cfg, rngs=nnx.Rngs(seed))
+
+
+def test_jitted_api_checks_index_values_before_running():
+  """Under ``nnx.jit`` the model's own value checks see tracers; ``k3jax.prefill`` / ``decode`` check the concrete
+  values first, so a bad call raises and leaves the (otherwise donated) cache alive."""
+  cfg, model = _kda_mla_model(15)
+  cache = init_cache(cfg, 2, 64)  # capacity 64 tokens per sequence
+  vocab = cfg.vocab_size
+  with pytest.raises(ValueError, match="cu_seqlens must give lengths that fit the cache capacity 64 "):
+    k3jax.prefill(model, jnp.zeros(200, jnp.int32), jnp.asarray([0, 200, 200], jnp.int32), cache)
+  with pytest.raises(ValueError, match=r"cu_seqlens must be non-decreasing from 0 to T = 5, got \[1, 3, 4\]"):
+    k3jax.prefill(model, jnp.zeros(5, jnp.int32), jnp.asarray([1, 3, 4], jnp.int32), cache)
+  with pytest.raises(ValueError, match=rf"tokens must be ids in \[0, vocab_size = {vocab}\), got values in "
+                                       rf"\[0, {vocab}\]"):
+    k3jax.prefill(model, jnp.asarray([0, vocab], jnp.int32), jnp.asarray([0, 1, 2], jnp.int32), cache)
+  with pytest.raises(ValueError, match=rf"tokens must be ids in \[0, vocab_size = {vocab}\), got values in "
+                                       r"\[-1, 0\]"):
+    k3jax.decode(model, jnp.asarray([-1, 0], jnp.int32), cache)
+  full = cache.replace(seq_lens=jnp.asarray([64, 3], jnp.int32))
+  with pytest.raises(ValueError, match=r"cache.seq_lens must be < the cache capacity 64 .*, got \[64, 3\]"):
+    k3jax.decode(model, jnp.asarray([1, 2], jnp.int32), full)
+  with pytest.raises(ValueError, match=r"cache capacity 64 after the cached tokens \[64, 3\], got \[0, 0, 62\]"):
+    k3jax.prefill(model, jnp.zeros(62, jnp.int32), jnp.asarray([0, 0, 62], jnp.int32), full)
+  assert not any(a.is_deleted() for a in jax.tree.leaves((cache, full)))
+
+
+def test_empty_prefill_returns_no_logits_and_the_cache_unchanged():
+  cfg, model = _kda_mla_model(16)
+  cache = init_cache(cfg, 2, 64, fill=np.nan).replace(seq_lens=jnp.asarray([3, 0], jnp.int32))
+  before = [np.asarray(a) for a in jax.tree.leaves(cache)]
+  logits, cache = k3jax.prefill(model, jnp.zeros((0,), jnp.int32), jnp.zeros(3, jnp.int32), cache)
+  assert logits.shape == (0, cfg.vocab_size) and logits.dtype == jnp.float32
+  for a, b in zip(jax.tree.leaves(cache), before, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), b)
+
+
 def test_parameter_paths_carry_logical_axes():
   model = k3jax.KimiK3Model(tiny("tiny"), rngs=nnx.Rngs(0))
   axes = nn_util.logical_axes(model)
@@ -313,6 +354,8 @@ def test_bad_inputs_raise():
     r.model.prefill(jnp.zeros(4, jnp.float32), jnp.asarray([0, 4, 4, 4], jnp.int32), cache)
   with pytest.raises(ValueError, match="tokens must have shape"):
     r.model.decode(jnp.zeros(2, jnp.int32), cache)
+  with pytest.raises(ValueError, match=r"cache.seq_lens must be < the cache capacity 128 .*, got \[128, 0, 0\]"):
+    r.model.decode(jnp.zeros(3, jnp.int32), cache.replace(seq_lens=jnp.asarray([128, 0, 0], jnp.int32)))
   with pytest.raises(ValueError, match="names must have one entry"):
     nn_util.param(nnx.Rngs(0), nn_util.norm_weight, (3, 4), jnp.float32, ("embed",))
   with pytest.raises(ValueError, match="logical axes"):

@@ -138,6 +138,25 @@ def test_model_without_the_dcp_hooks_is_refused(tiny, monkeypatch):
     step.prefill(jnp.zeros(4, jnp.int32), jnp.asarray([0, 1, 4], jnp.int32), cache)
 
 
+def test_sharded_step_checks_values_and_runs_an_empty_prefill(tiny):
+  mesh = sharding.make_mesh(N)
+  placed, _ = sharding.shard_model(tiny, mesh)
+  step = sharding.jit_model_step(placed, mesh, vocab_size=tiny.cfg.vocab_size)
+  cache = sharding.init_cache(placed.cfg, 2, 64, mesh)
+  # The padded vocabulary's extra rows are not tokens; the capacity is counted on the mesh (DCP).
+  with pytest.raises(ValueError, match=r"tokens must be ids in \[0, vocab_size = 256\)"):
+    step.prefill(jnp.asarray([1, tiny.cfg.vocab_size], jnp.int32), jnp.asarray([0, 1, 2], jnp.int32), cache)
+  with pytest.raises(ValueError, match="cu_seqlens"):
+    step.prefill(jnp.zeros(5, jnp.int32), jnp.asarray([1, 3, 4], jnp.int32), cache)
+  with pytest.raises(ValueError, match="tokens must be ids"):
+    step.decode(jnp.asarray([-1, 0], jnp.int32), cache)
+  assert not any(x.is_deleted() for x in jax.tree.leaves(cache))  # a rejected call donates nothing
+  # An all-empty prefill changes nothing (it once failed the DCP wiring check: no row was written).
+  logits, out = step.prefill(jnp.zeros(0, jnp.int32), jnp.zeros(3, jnp.int32), cache)
+  assert logits.shape == (0, tiny.cfg.vocab_size) and logits.dtype == jnp.float32
+  assert out is cache
+
+
 # CPU compiles at XLA backend optimisation level 0 (test_layers.fast_jit): several times faster, same ops.
 FAST = {"xla_backend_optimization_level": 0}
 

@@ -78,7 +78,7 @@ class KdaLayer(nnx.Module):
   def _inputs(self, x: jax.Array) -> tuple[dict[str, jax.Array], jax.Array, jax.Array]:
     """Pre-conv ``{q, k, v}`` ``[M, H*K]``, ``g_raw [M, H, K]`` f32 and ``beta_raw [M, H]`` f32."""
     pre = {n: getattr(self, f"{n}_proj")(x) for n in ("q", "k", "v")}
-    pre = {n: a.reshape(a.shape[0], -1) for n, a in pre.items()}
+    pre = {n: a.reshape(a.shape[0], math.prod(a.shape[1:])) for n, a in pre.items()}  # -1 fails for 0 rows
     g_raw = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32)
     beta_raw = self.b_proj(x).astype(jnp.float32)
     return pre, g_raw, beta_raw
