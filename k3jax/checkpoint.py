@@ -39,11 +39,11 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from k3jax import sharding as sharding_lib
-from k3jax.config import KDA, K3Config
+from k3jax.config import KDA, K3Config, read_json
 from k3jax.model import KimiK3Model
 
 FORMATS = ("kimi_linear", "kimi_k3")
@@ -283,8 +283,7 @@ def _expected_tensors(rules: list[_Rule], prefix: str, mxfp4: bool) -> dict[str,
 def _read_json(path: str, what: str) -> dict:
   if not os.path.isfile(path):
     raise ValueError(f"{what} not found: {path}")
-  with open(path) as f:
-    return json.load(f)
+  return read_json(path)
 
 
 def _mxfp4_from_config(raw: dict) -> bool:
@@ -326,10 +325,14 @@ def _architecture_diff(a: K3Config, b: K3Config) -> dict:
 
 # ------------------------------------------------------------------------------------------------ reading
 class _Checkpoint:
-  """The tensors of a checkpoint directory: ``name -> (file, shape, dtype)`` from the shard headers."""
+  """The tensors of a checkpoint directory: ``name -> (file, shape, dtype)`` from the shard headers.
 
-  def __init__(self, path: str):
-    self.path = path
+  ``read`` checks that float tensors hold only finite values when ``check_finite``: a NaN weight would otherwise
+  turn every logit it reaches into NaN without an error.
+  """
+
+  def __init__(self, path: str, check_finite: bool):
+    self.path, self.check_finite = path, check_finite
     index_path = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index_path):
       weight_map = _read_json(index_path, INDEX_FILE).get("weight_map")
@@ -348,7 +351,10 @@ class _Checkpoint:
         names = sorted(n for n, f in weight_map.items() if f == fname)
         raise ValueError(f"shard {fname} named by {INDEX_FILE} (for {len(names)} tensors, e.g. {names[0]!r}) "
                          f"does not exist in {path}")
-      handle = safe_open(fpath, framework="numpy")
+      try:
+        handle = safe_open(fpath, framework="numpy")
+      except SafetensorError as e:
+        raise ValueError(f"{fpath}: not a readable safetensors file (truncated or corrupt?): {e}") from e
       self._files[fname] = handle
       for name in handle.keys():
         if weight_map is not None and weight_map.get(name) != fname:
@@ -363,7 +369,15 @@ class _Checkpoint:
                          f"({weight_map[lost[0]]} for {lost[0]!r})")
 
   def read(self, name: str) -> np.ndarray:
-    return self._files[self.info[name][0]].get_tensor(name)
+    fname, _, dtype = self.info[name]
+    a = self._files[fname].get_tensor(name)
+    if self.check_finite and dtype in _FLOAT_DTYPES:
+      bad = ~np.isfinite(a)
+      if bad.any():
+        raise ValueError(f"tensor {name} ({fname}) holds {int(bad.sum())} non-finite values (NaN or Inf), the "
+                         f"first at {np.argwhere(bad)[0].tolist()} (load_hf(..., check_finite=False) skips this "
+                         f"check)")
+    return a
 
   def nbytes(self, name: str) -> int:
     _, shape, dtype = self.info[name]
@@ -481,7 +495,7 @@ def _check_rules_cover(rules: list[_Rule], flat: Iterable) -> None:
 
 
 def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, config: K3Config | None = None, *,
-            progress: bool = True) -> tuple[K3Config, KimiK3Model]:
+            progress: bool = True, check_finite: bool = True) -> tuple[K3Config, KimiK3Model]:
   """Loads a Kimi-Linear or Kimi-K3 HF checkpoint into a ``KimiK3Model``.
 
   Args:
@@ -494,6 +508,7 @@ def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, conf
       hold (dtypes, ``impl``, ``latent_norm_eps``); every architecture field it shares with ``config.json``
       must agree.
     progress: print a progress line on stderr (parameters placed, checkpoint tensors and MiB read).
+    check_finite: reject a float tensor holding NaN or Inf (one extra pass over each tensor as it is read).
 
   Returns:
     ``(cfg, model)``: the unpadded config and the model (``model.cfg`` is the padded config with a mesh; run
@@ -501,8 +516,10 @@ def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, conf
 
   Raises:
     ValueError: a missing, unexpected, wrongly shaped or typed tensor (named, with what was expected), a
-      non-zero tail of a K3 ``A_log``, an MXFP4 NaN scale, inconsistent index/shards, a ``config`` that
-      contradicts ``config.json``, or a mesh without the ``"model"`` axis.
+      non-finite float tensor (with ``check_finite``), a non-zero tail of a K3 ``A_log``, an MXFP4 NaN scale,
+      inconsistent index/shards, a corrupt or truncated shard or a ``config.json`` / index that is not a JSON
+      object (each naming the file, the library's error chained), a ``config`` that contradicts
+      ``config.json``, or a mesh without the ``"model"`` axis.
     NotImplementedError: a quantization other than MXFP4 routed experts.
   """
   path = os.fspath(path)
@@ -524,7 +541,7 @@ def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, conf
   prefix = K3_PREFIX if fmt == "kimi_k3" else ""
   rules = _rules(cfg, fmt)
   _check_rules_cover(rules, _abstract_params(cfg)[2])
-  ckpt = _Checkpoint(path)
+  ckpt = _Checkpoint(path, check_finite)
   expected = _expected_tensors(rules, prefix, mxfp4)
   _check_tensors(ckpt, expected, fmt)
   plan = sharding_lib.PaddingPlan.for_config(cfg, 1 if mesh is None else sharding_lib.mesh_size(mesh))

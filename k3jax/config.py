@@ -29,12 +29,29 @@ import jax.numpy as jnp
 
 from pallas_kernels import KdaConfig, MlaDecodeConfig
 from pallas_kernels import _util
+from pallas_kernels.mla.api import LATENT_DIM, ROPE_DIM
 
 KDA = "kda"
 MLA = "mla"
 PAGE_SIZE = 64  # tokens per page of the MLA latent cache (fixed by ``mla_decode``)
 
 _FLOAT = (jnp.float32, jnp.bfloat16)
+
+
+def read_json(path: str) -> dict:
+  """The JSON object held by the file ``path`` (``config.json``, a safetensors index).
+
+  Raises:
+    ValueError: the file is not UTF-8 JSON, or holds something other than an object; the message names it.
+  """
+  with open(path) as f:
+    try:
+      raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ValueError(f"{path}: not valid JSON ({e})") from e
+  if not isinstance(raw, dict):
+    raise ValueError(f"{path}: must hold a JSON object, got {type(raw).__name__}")
+  return raw
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,7 +66,8 @@ class K3Config:
     situ_beta, situ_linear_beta: SiTU constants (only read when ``hidden_act == "situ"``).
     num_attention_heads: MLA heads (``num_key_value_heads`` must equal it).
     q_lora_rank: None for a single ``q_proj``, else the rank of ``q_a_proj``.
-    kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: MLA dims (R, dn, dr, dv).
+    kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: MLA dims (R, dn, dr, dv); with MLA layers
+      R must be 512 and dr 64 (the MLA ops are specialised to the Kimi latent).
     mla_use_output_gate: ``attn *= sigmoid(g_proj x)`` before ``o_proj``.
     latent_norm_eps: eps of ``q_a_layernorm`` / ``kv_a_layernorm`` (HF builds them with the default 1e-6).
     kda_num_heads, kda_head_dim, short_conv_kernel_size: KDA H, K (= V) and the conv width W.
@@ -150,6 +168,13 @@ class K3Config:
     bad = [t for t in self.layer_types if t not in (KDA, MLA)]
     if bad:
       raise ValueError(f"layer_types entries must be {KDA!r} or {MLA!r}, got {bad}")
+    if MLA in self.layer_types:
+      # mla_decode reads V as the first LATENT_DIM cache columns, so only the Kimi split of the latent row works
+      # (another split of the same width would pass its shape checks and compute the wrong attention).
+      for name, supported in (("kv_lora_rank", LATENT_DIM), ("qk_rope_head_dim", ROPE_DIM)):
+        if getattr(self, name) != supported:
+          raise NotImplementedError(f"{name} must be {supported} (the MLA ops are specialised to the Kimi latent "
+                                    f"{LATENT_DIM} + {ROPE_DIM}), got {getattr(self, name)}")
     if self.num_experts_per_token > self.num_experts:
       raise ValueError(f"num_experts_per_token={self.num_experts_per_token} must be <= "
                        f"num_experts={self.num_experts}")
@@ -215,7 +240,8 @@ class K3Config:
 
     Raises:
       ValueError: unknown keys, missing keys, or contradictory values.
-      NotImplementedError: valid HF settings this model does not implement (RoPE, grouped top-k, MTP).
+      NotImplementedError: valid HF settings this model does not implement (RoPE, grouped top-k, MTP, an MLA
+        latent other than 512 + 64).
     """
     if isinstance(source, dict):
       raw = source
@@ -223,8 +249,7 @@ class K3Config:
       path = os.fspath(source)
       if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-      with open(path) as f:
-        raw = json.load(f)
+      raw = read_json(path)
     bad_runtime = sorted(set(runtime) - set(RUNTIME_FIELDS))
     if bad_runtime:
       raise ValueError(f"from_hf runtime keyword arguments must be in {sorted(RUNTIME_FIELDS)}, got {bad_runtime}")

@@ -5,6 +5,7 @@ load == unsharded load padded by ``shard_model``, and every error of the loader 
 
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -562,6 +563,48 @@ def test_error_index_and_shards_disagree(written, tmp_path):
 
   os.remove(index_path)
   _load_error(path, f"neither {ck.INDEX_FILE} nor {ck.SINGLE_FILE} found")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_error_non_finite_weight(written, tmp_path, bad):
+  path = _copy(written, ("kimi_linear", False), tmp_path)
+  name = "model.layers.2.self_attn.kv_b_proj.weight"
+
+  def edit(t):
+    t[name] = t[name].copy()
+    t[name][5, 7] = bad
+
+  _rewrite(path, edit)
+  _load_error(path, rf"tensor {name} \(model-0000\d-of-00003.safetensors\) holds 1 non-finite values \(NaN or "
+                    r"Inf\), the first at \[5, 7\]")
+  model = ck.load_hf(path, progress=False, check_finite=False)[1]
+  assert np.isnan(np.asarray(model.layers[2].self_attn.kv_b_proj.w_uk[...])).any() == np.isnan(bad)
+
+
+def test_error_truncated_shard(written, tmp_path):
+  path = _copy(written, ("kimi_linear", False), tmp_path)
+  shard = os.path.join(path, "model-00002-of-00003.safetensors")
+  with open(shard, "rb") as f:
+    data = f.read()
+  with open(shard, "wb") as f:
+    f.write(data[:len(data) // 2])
+  with pytest.raises(ValueError, match=re.escape(f"{shard}: not a readable safetensors file")) as info:
+    ck.load_hf(path, progress=False)
+  assert info.value.__cause__ is not None  # the library's own error, chained
+
+
+@pytest.mark.parametrize("fname", ["config.json", ck.INDEX_FILE])
+def test_error_json_file_not_json(written, tmp_path, fname):
+  path = _copy(written, ("kimi_k3", False), tmp_path)
+  target = os.path.join(path, fname)
+  with open(target, "w") as f:
+    f.write('{"model_type": "kimi_k3", ')
+  with pytest.raises(ValueError, match=re.escape(f"{target}: not valid JSON")) as info:
+    ck.load_hf(path, progress=False)
+  assert isinstance(info.value.__cause__, json.JSONDecodeError)
+  with open(target, "w") as f:
+    json.dump([1, 2], f)
+  _load_error(path, re.escape(f"{target}: must hold a JSON object, got list"))
 
 
 def test_error_no_config(tmp_path):

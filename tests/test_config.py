@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import json
+import re
 
 import jax.numpy as jnp
 import pytest
@@ -62,6 +63,21 @@ def test_from_hf_reads_a_file_and_a_directory(tmp_path):
   a = K3Config.from_hf(tmp_path, impl="xla")
   b = K3Config.from_hf(tmp_path / "config.json", impl="xla")
   assert a == b == cfg_lib.preset("kimi_k3", impl="xla")
+
+
+def test_from_hf_names_a_file_that_is_not_a_json_object(tmp_path):
+  path = tmp_path / "config.json"
+  path.write_bytes(b"\x89PNG\r\n")
+  with pytest.raises(ValueError, match=re.escape(f"{path}: not valid JSON")) as info:
+    K3Config.from_hf(tmp_path, impl="xla")
+  assert isinstance(info.value.__cause__, UnicodeDecodeError)
+  path.write_text('{"model_type": ')
+  with pytest.raises(ValueError, match=re.escape(f"{path}: not valid JSON")) as info:
+    K3Config.from_hf(path, impl="xla")
+  assert isinstance(info.value.__cause__, json.JSONDecodeError)
+  path.write_text("null")
+  with pytest.raises(ValueError, match=re.escape(f"{path}: must hold a JSON object, got NoneType")):
+    K3Config.from_hf(path, impl="xla")
 
 
 def test_hf_layer_lists_are_one_indexed():
@@ -125,7 +141,8 @@ def test_bad_hf_configs_raise(base, path, value, match):
 
 @pytest.mark.parametrize("key,value", [("mla_use_nope", False), ("num_nextn_predict_layers", 1),
                                        ("moe_router_activation_func", "softmax"), ("num_expert_group", 8),
-                                       ("topk_group", 2), ("moe_layer_freq", 2), ("topk_method", "greedy")])
+                                       ("topk_group", 2), ("moe_layer_freq", 2), ("topk_method", "greedy"),
+                                       ("kv_lora_rank", 256), ("qk_rope_head_dim", 128)])
 def test_unsupported_hf_settings_raise_not_implemented(key, value):
   with pytest.raises(NotImplementedError, match=key):
     K3Config.from_hf(_mutate(_linear_json(), (key,), value), impl="xla")
@@ -161,6 +178,15 @@ def test_bad_runtime_kwarg_raises():
 ])
 def test_bad_fields_raise(field, value, match):
   with pytest.raises(ValueError, match=match):
+    cfg_lib.preset("tiny", **{field: value})
+
+
+@pytest.mark.parametrize("field,value,supported", [("kv_lora_rank", 256, 512), ("kv_lora_rank", 448, 512),
+                                                   ("qk_rope_head_dim", 128, 64)])
+def test_mla_dims_the_ops_do_not_implement_raise(field, value, supported):
+  """The MLA ops are specialised to the Kimi latent (512 + 64): other widths fail in the config, not at the first
+  prefill (448 + 128 has the same 576 cache columns, so a width check on the ops' inputs alone would pass it)."""
+  with pytest.raises(NotImplementedError, match=rf"{field} must be {supported} .*, got {value}"):
     cfg_lib.preset("tiny", **{field: value})
 
 
