@@ -77,14 +77,14 @@ INT_DTYPES = (jnp.int32, jnp.int64)
 def concrete(x) -> np.ndarray | None:
   """The host value of ``x`` when it is concrete (not traced), else None: value checks run only then.
 
-  A ``jax.Array`` is read through a device copy: reading it directly caches its host value on it, and a
-  multi-device array holding that cache is no longer donated to a jitted step (XLA copies it instead), so
-  a host check of a cache's ``seq_lens`` would turn an in-place update into a copy.
+  A replicated ``jax.Array`` is read through one of its shards: reading the array itself caches its host
+  value on it, and a multi-device array holding that cache is no longer donated to a jitted step (XLA
+  copies it instead), so a host check of a cache's ``seq_lens`` would turn an in-place update into a copy.
   """
   if isinstance(x, jax.core.Tracer):
     return None
-  if isinstance(x, jax.Array):
-    return np.asarray(jnp.copy(x))
+  if isinstance(x, jax.Array) and x.is_fully_replicated:
+    return np.asarray(x.addressable_shards[0].data)
   return np.asarray(x)
 
 
