@@ -99,6 +99,27 @@ def test_prefill_varlen_pool_checkpoints(lower_bound):
   check_untouched(a["state_pool"], pool, writes)
 
 
+# Extreme but valid Kimi-Linear gates (unbounded below): with FLA's dt_bias init (softplus of 1e-3 .. 1e-1)
+# A_log = 16 / 20 decays by 1e4 .. 5e7 per token, and three spiky tokens (g_raw = 1e5) cut some chunks
+# short. The chunked form must stay finite and as accurate as for realistic gates: same bound as above.
+@pytest.mark.parametrize("A_log, spiky", [(16.0, False), (20.0, False), (None, True)],
+                         ids=["A_log=16", "A_log=20", "spiky"])
+def test_prefill_extreme_gates(A_log, spiky):
+  a = make_prefill(2)
+  dt = np.exp(np.random.default_rng(2).uniform(np.log(1e-3), np.log(1e-1), size=(H, K)))
+  a["dt_bias"] = jnp.asarray(np.log(np.expm1(dt)), jnp.float32)
+  if A_log is not None:
+    a["A_log"] = jnp.full((H,), A_log, jnp.float32)
+  if spiky:
+    a["g_raw"] = a["g_raw"].at[jnp.asarray([10, 70, 170])].set(1e5)
+  o, pool = kda_prefill(**a, config=KdaConfig(impl="xla"))
+  o_want, writes = expected_prefill(a, LENS, SLOTS, HAS, CKPTS, None)
+  assert rmse_ratio(o, o_want) < 5e-5
+  for s, want in writes.items():
+    assert rmse_ratio(pool[s], want) < 5e-5, s
+  check_untouched(a["state_pool"], pool, writes)
+
+
 # bf16 q/k/v, bf16 pool (state rounded once per write), o in bf16. The oracle gets the same bf16-rounded
 # inputs and initial states, so only output rounding is measured: one bf16 rounding is an RMSE ratio of
 # roughly 2^-9 (measured: o 1.6e-3, states 1.4e-3 .. 1.7e-3). Bound 4e-3: 2.3x headroom, 7x tighter than the
@@ -260,6 +281,9 @@ PREFILL_ERRORS = [
      r"got slots \[7\] written more than once"),
     ("dup-final-ckpt", _set(checkpoint_slots=i32(12, -1, 11)),
      r"destination slots in state_indices and checkpoint_slots must be distinct .*got slots \[11\] written"),
+    ("pool-empty", _set(state_pool=jnp.zeros((0, H, V, K)), state_indices=i32(-1, -1, -1, -1, -1, -1),
+                        checkpoint_slots=i32(-1, -1, -1)),
+     r"state_pool must have at least one slot \(shape\[0\] = P >= 1\), got P = 0"),
 ]
 
 
@@ -276,6 +300,8 @@ DECODE_ERRORS = [
     (False, "k-shape", _map("k", lambda x: x[:2]), r"k must have shape \(3, 2, 16\), got \(2, 2, 16\)"),
     (False, "pool-dtype", _map("state_pool", lambda x: x.astype(jnp.bfloat16)),
      r"state_pool must have config.state_dtype"),
+    (False, "pool-empty", _set(state_pool=jnp.zeros((0, H, V, K)), state_indices=i32(-1, -1, -1)),
+     r"state_pool must have at least one slot \(shape\[0\] = P >= 1\), got P = 0"),
     (False, "indices-shape", _map("state_indices", lambda x: x[:, None]),
      r"state_indices must have shape \(3,\), got \(3, 1\)"),
     (False, "indices-dtype", _map("state_indices", lambda x: x.astype(jnp.float32)), r"state_indices must have dtype"),
@@ -319,3 +345,18 @@ def test_ml_dtypes_bf16_round_trip_is_exact():
   """check_untouched compares bf16 slots by bits: bf16 -> f32 -> bf16 must be the identity."""
   x = np.random.default_rng(6).standard_normal(1000).astype(ml_dtypes.bfloat16)
   np.testing.assert_array_equal(bits(x.astype(np.float32).astype(ml_dtypes.bfloat16)), bits(x))
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("scale", float("inf"), r"scale must be a finite float > 0 or None, got inf"),
+    ("scale", float("nan"), r"scale must be a finite float > 0 or None, got nan"),
+    ("scale", 0.0, r"scale must be a finite float > 0 or None, got 0.0"),
+    ("scale", -1.0, r"scale must be a finite float > 0 or None, got -1.0"),
+    ("scale", "x", r"scale must be a float or None, got 'x'"),
+    ("lower_bound", "x", r"lower_bound must be a float or None, got 'x'"),
+    ("lower_bound", float("nan"), r"lower_bound must be in \[-5, 0\) or None, got nan"),
+    ("lower_bound", -6.0, r"lower_bound must be in \[-5, 0\) or None, got -6.0"),
+])
+def test_config_validation(field, value, match):
+  with pytest.raises(ValueError, match=match):
+    KdaConfig(**{field: value})

@@ -28,8 +28,13 @@ POISON = 1e30
 
 
 def _rel_rmse(ref: np.ndarray, x: np.ndarray) -> float:
+  """RMSE of ``x - ref`` over the RMS of ``ref`` (the plain RMSE for an all-zero ``ref``, 0 for empty ones);
+  NaN anywhere gives NaN, which fails every ``<`` bound."""
   ref, x = np.asarray(ref, np.float64), np.asarray(x, np.float64)
-  return float(np.sqrt(np.mean((ref - x) ** 2)) / np.sqrt(np.mean(ref ** 2)))
+  if not ref.size:
+    return 0.0
+  err, rms = np.sqrt(np.mean((ref - x) ** 2)), np.sqrt(np.mean(ref ** 2))
+  return float(err / rms if rms else err)
 
 
 def _problem(seed: int, lens, H: int, K: int, V: int, *, saturated: bool, state_dtype, lower_bound):
@@ -50,7 +55,7 @@ def _problem(seed: int, lens, H: int, K: int, V: int, *, saturated: bool, state_
   # the first has no initial state; checkpoints at every multiple of 64 go to fresh slots, plus one
   # checkpoint with slot -1.
   slots = np.arange(1, N + 1, dtype=np.int32)
-  nonempty = [n for n in range(N) if lens[n] > 0]
+  nonempty = [n for n in range(N) if lens[n] > 0] or [0]
   slots[nonempty[-1]] = -1
   has = np.ones(N, bool)
   has[nonempty[0]] = False
@@ -126,7 +131,7 @@ def _oracle(inputs, pool, arrays, *, lower_bound, scale=None):
       for dst in ck.get(t + 1 - cu[n], []):
         if dst >= 0:
           new[dst] = S
-    if slot >= 0 and cu[n + 1] > cu[n]:
+    if slot >= 0 and (cu[n + 1] > cu[n] or not a["has_initial_state"][n]):
       new[slot] = S
   return o, new
 
@@ -136,13 +141,13 @@ def _check(o, new_pool, ref_o, ref_pool, pool_in, arrays, tol, T, H, V):
   o64, new64, in64 = (np.asarray(a, np.float64) for a in (o, new_pool, pool_in))
   assert np.isfinite(o64).all()
   assert _rel_rmse(ref_o, o64) < tol, _rel_rmse(ref_o, o64)
-  written = set(arrays["state_indices"][
-      (arrays["state_indices"] >= 0) & (np.diff(arrays["cu_seqlens"]) > 0)].tolist())
+  slots = arrays["state_indices"]
+  written = set(slots[(slots >= 0) & ((np.diff(arrays["cu_seqlens"]) > 0) | ~arrays["has_initial_state"])].tolist())
   written |= set(int(c) for c in arrays["checkpoint_slots"] if c >= 0)
   for p in range(pool_in.shape[0]):
     if p in written:
       assert _rel_rmse(ref_pool[p], new64[p]) < tol, (p, _rel_rmse(ref_pool[p], new64[p]))
-    else:  # untouched (poisoned, or an empty sequence's slot): bitwise unchanged
+    else:  # untouched (poisoned, or the slot of an empty sequence with an initial state): bitwise unchanged
       np.testing.assert_array_equal(np.asarray(new_pool[p]).view(np.uint8), np.asarray(pool_in[p]).view(np.uint8))
 
 
@@ -181,6 +186,23 @@ def test_deterministic_and_shorter_than_a_chunk(kernel_impl):
   np.testing.assert_array_equal(np.asarray(p1), np.asarray(p2))
   ref_o, ref_pool = _oracle(inputs, pool_j, arrays, lower_bound=-5.0)
   _check(o1, p1, ref_o, ref_pool, pool_j, arrays, TOL[jnp.dtype(jnp.float32)], 25, 1, 64)
+
+
+@pytest.mark.parametrize("lens", [(0, 70, 0), (0, 0, 0)], ids=["some-tokens", "no-tokens"])
+def test_empty_sequences_write_zero_states(kernel_impl, lens):
+  """A length-0 sequence without an initial state writes the state of zero tokens from a zero start (zeros)
+  into its slot, one with an initial state leaves its slot bitwise unchanged; as impl="xla"."""
+  x, pool, arrays, config = _problem(4, lens=lens, H=1, K=64, V=64, saturated=False, state_dtype=jnp.float32,
+                                     lower_bound=None)
+  arrays.update(state_indices=np.asarray([1, 2, 3], np.int32), has_initial_state=np.asarray([False, True, False]))
+  pool[1:4] = np.random.default_rng(4).uniform(-4.0, 4.0, size=pool[1:4].shape)
+  inputs, pool_j, arrays_j = _to_jax(x, pool, arrays, jnp.float32)
+  o, new_pool = _run(inputs, pool_j, arrays_j, kernel_impl, **config)
+  np.testing.assert_array_equal(np.asarray(new_pool[np.asarray([1, 3])]), 0.0)
+  ref_o, ref_pool = _oracle(inputs, pool_j, arrays, lower_bound=None)
+  _check(o, new_pool, ref_o, ref_pool, pool_j, arrays, TOL[jnp.dtype(jnp.float32)], sum(lens), 1, 64)
+  xo, xpool = _run(inputs, pool_j, arrays_j, "xla", **config)
+  np.testing.assert_array_equal(np.asarray(xpool[np.asarray([1, 3])]), 0.0)
 
 
 def test_prefix_identity(kernel_impl):

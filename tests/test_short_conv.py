@@ -27,7 +27,8 @@ def _oracle(x, weight, lengths, pool, slots, has_init, ckpts=(), activation="sil
     for t in range(length):
       acc = sum(w[:, i] * hist[t + i] for i in range(W))
       y[start + t] = _silu(acc) if activation == "silu" else acc
-    if slots[n] >= 0 and length > 0:
+    # A length-0 sequence with an initial state keeps its slot; without one it writes its zero history.
+    if slots[n] >= 0 and (length > 0 or not has_init[n]):
       new_pool[slots[n]] = hist[length:length + W - 1]
     start += length
   for n, offset, slot in ckpts:
@@ -85,6 +86,22 @@ def test_prefill_matches_oracle_varlen_with_checkpoints(pool_dtype, impl, kernel
   np.testing.assert_array_equal(np.asarray(new_pool), np.asarray(jnp.asarray(pool_ref, pool_dtype)))
   np.testing.assert_array_equal(np.asarray(new_pool[3]), np.asarray(pool[3]))  # length-0 sequence
   np.testing.assert_array_equal(np.asarray(new_pool[jnp.asarray([6, 8])]), np.asarray(pool[jnp.asarray([6, 8])]))
+
+
+@pytest.mark.parametrize("lengths", [(0, 5, 0), (0, 0, 0)], ids=["some-tokens", "no-tokens"])
+@pytest.mark.parametrize("impl", ["xla", "kernel"])
+def test_prefill_empty_sequences_write_zero_states(impl, lengths, kernel_impl):
+  """A length-0 sequence without an initial state writes the conv state of zero tokens from a zero history
+  (zeros) into its slot, as ``kda_prefill``; one with an initial state leaves its slot bitwise unchanged."""
+  x, weight, pool = _random(7, sum(lengths), d=256)
+  slots, has_init = [1, 2, 3], [False, True, False]
+  y, new_pool = short_conv_prefill(x, weight, cu_seqlens=_cu(lengths), conv_pool=pool,
+                                   state_indices=jnp.asarray(slots, jnp.int32), has_initial_state=jnp.asarray(has_init),
+                                   impl=kernel_impl if impl == "kernel" else impl)
+  y_ref, pool_ref = _oracle(x, weight, lengths, pool, slots, has_init)
+  np.testing.assert_allclose(np.asarray(y), y_ref, **F32_TOL)
+  np.testing.assert_array_equal(np.asarray(new_pool[jnp.asarray([1, 3])]), 0.0)
+  np.testing.assert_array_equal(np.asarray(new_pool), pool_ref.astype(np.float32))
 
 
 def test_conv_states_are_the_raw_input_rows_bitwise():
@@ -313,3 +330,27 @@ def test_update_padding_rows_may_share_slots():
                                   num_accepted=jnp.asarray([1, 1], jnp.int32))
   np.testing.assert_array_equal(np.asarray(y[1]), 0.0)
   np.testing.assert_array_equal(np.asarray(new_pool[2:]), np.asarray(pool[2:]))
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("impl", ["xla", "kernel"])
+def test_update_empty_batch(impl, speculative, kernel_impl):
+  """N = 0 (an empty decode batch) returns an empty y and the pool bitwise unchanged."""
+  _, weight, pool = _random(8, 1, d=256)
+  x = jnp.zeros((0, 3, 256) if speculative else (0, 256))
+  kw = dict(num_accepted=jnp.zeros((0,), jnp.int32)) if speculative else {}
+  y, new_pool = short_conv_update(x, weight, conv_pool=pool, state_indices=jnp.zeros(x.shape[:-1], jnp.int32),
+                                  impl=kernel_impl if impl == "kernel" else impl, **kw)
+  assert y.shape == x.shape and y.dtype == x.dtype
+  np.testing.assert_array_equal(np.asarray(new_pool), np.asarray(pool))
+
+
+def test_empty_pool_is_rejected():
+  x, weight, _ = _random(9, 2)
+  pool = jnp.zeros((0, W - 1, D))
+  match = r"conv_pool must have at least one slot \(shape\[0\] = P >= 1\), got P = 0"
+  with pytest.raises(ValueError, match=match):
+    short_conv_update(x, weight, conv_pool=pool, state_indices=jnp.asarray([-1, -1], jnp.int32))
+  with pytest.raises(ValueError, match=match):
+    short_conv_prefill(x, weight, conv_pool=pool, cu_seqlens=_cu([2]), state_indices=jnp.asarray([-1], jnp.int32),
+                       has_initial_state=jnp.asarray([False]))

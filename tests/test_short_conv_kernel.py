@@ -283,8 +283,10 @@ def test_prefill_matches_xla(kernel_impl, dtype, pool_dtype, activation, d, bloc
   has_init = [True, True, False, True, True, True, True, False, False]
   ckpts = [(1, 1, 8), (3, 2, 9), (3, 8, 10), (3, 19, -1), (6, 9, 11), (7, 4, 12)]
   num_slots = 16
-  untouched = [0, 4, 7, 13, 14, 15]  # the empty sequences' slots and spares
-  x, weight, pool, cu = _prefill_inputs(5, lengths, d, num_slots, dtype, pool_dtype, poison=untouched)
+  # The slots of the empty sequences with an initial state, and spares; slot 7 (empty, no initial state) is
+  # never read but takes zeros.
+  untouched = [0, 4, 13, 14, 15]
+  x, weight, pool, cu = _prefill_inputs(5, lengths, d, num_slots, dtype, pool_dtype, poison=untouched + [7])
   ref, out = _prefill_both(x, weight, pool, cu, slots, has_init, ckpts, impl=kernel_impl, activation=activation,
                            blocks=blocks)
   _check_prefill(ref, out, dtype=dtype, untouched=untouched, pool=pool)

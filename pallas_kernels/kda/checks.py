@@ -38,6 +38,14 @@ def check_slot_range(name: str, slots: np.ndarray | None, num_slots: int, pool_n
                      f"{pool_name}.shape[0]), got values in [{slots.min()}, {slots.max()}]")
 
 
+def check_pool_size(num_slots: int, pool_name: str) -> None:
+  """A pool has at least one slot. A zero-slot pool is rejected rather than special-cased: the ops address
+  slots with clipped gathers and in-kernel reads that need a row to exist, and a serving pool is never
+  empty, so ``P = 0`` is a configuration error."""
+  if num_slots < 1:
+    raise ValueError(f"{pool_name} must have at least one slot (shape[0] = P >= 1), got P = {num_slots}")
+
+
 def check_distinct_writes(written: list[tuple[str, np.ndarray | None]]) -> None:
   """Every destination slot (-1 excepted) is written once: two writes would leave the winner to scatter order.
 
@@ -74,7 +82,7 @@ def check_prefill_indices(num_tokens: int, num_slots: int, pool_name: str, *, cu
 
   Args:
     num_tokens: T, the packed token count.
-    num_slots: P, the pool's slot count; ``pool_name`` names the pool argument in messages.
+    num_slots: P >= 1, the pool's slot count; ``pool_name`` names the pool argument in messages.
     cu_seqlens: ``[N + 1]`` with ``N >= min_seqs``, non-decreasing from 0 to T.
     state_indices: ``[N]`` slots in ``[-1, P)``. has_initial_state: ``[N]`` bool.
     checkpoint_indptr, checkpoint_offsets, checkpoint_slots: ``[N + 1]``, ``[M]``, ``[M]``, all given or all
@@ -89,6 +97,7 @@ def check_prefill_indices(num_tokens: int, num_slots: int, pool_name: str, *, cu
     raise ValueError(f"cu_seqlens must have shape (N + 1,) with N >= {min_seqs}, got {tuple(cu_seqlens.shape)}")
   _util.check_dtype("cu_seqlens", cu_seqlens, int_dtypes)
   n = cu_seqlens.shape[0] - 1
+  check_pool_size(num_slots, pool_name)
   check_index("state_indices", state_indices, (n,), int_dtypes)
   check_index("has_initial_state", has_initial_state, (n,), (jnp.bool_,))
   given = [c is not None for c in (checkpoint_indptr, checkpoint_offsets, checkpoint_slots)]
@@ -126,13 +135,14 @@ def check_decode_indices(tokens_name: str, tokens_shape: tuple[int, ...], specul
   Args:
     tokens_name, tokens_shape: the token argument (``q`` / ``x``) and its shape, ``[N, ...]`` for one token per
       sequence or ``[N, 1 + S, ...]`` when ``speculative``.
-    num_slots: P; ``pool_name`` names the pool argument in messages.
+    num_slots: P >= 1; ``pool_name`` names the pool argument in messages.
     state_indices: ``[N]`` or ``[N, 1 + S]`` slots in ``[-1, P)``; the slots written (every column of a row
       whose read slot, column ``num_accepted[n] - 1``, is not -1) must be distinct.
     num_accepted: ``[N]`` in ``[1, 1 + S]``, given with (and only with) the speculative form.
     int_dtypes: the integer dtypes allowed for the index arrays.
   """
   lead = tuple(tokens_shape[:1 + speculative])
+  check_pool_size(num_slots, pool_name)
   check_index("state_indices", state_indices, lead, int_dtypes)
   if speculative:
     if num_accepted is None:

@@ -4,9 +4,9 @@ Mosaic GPU lowers (no ``log1p``). Constants come from the reference, the source 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda.reference import L2NORM_EPS, SOFTPLUS_THRESHOLD
+from pallas_kernels.kda.reference import GATE_FLOOR, L2NORM_EPS, SOFTPLUS_THRESHOLD
 
-__all__ = ["L2NORM_EPS", "gate"]
+__all__ = ["GATE_FLOOR", "L2NORM_EPS", "gate"]
 
 
 def gate(x: jax.Array, a: jax.Array, lower_bound: float | None) -> jax.Array:

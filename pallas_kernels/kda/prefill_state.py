@@ -10,7 +10,8 @@ workspaces, double-buffered TMA prefetch):
 
 with ``S`` and ``E`` entering the matmuls as bf16 SMEM stashes (f32 accumulation). The initial state is
 read from the pool slot by TMA (zero when there is none), the state after every requested checkpoint chunk
-and the final state are rounded once to the pool dtype and written into their slots by TMA. The output of
+and the final state are rounded once to the pool dtype and written into their slots by TMA (a length-0
+sequence without an initial state writes its zero state). The output of
 a chunk is stored into the packed ``o [T, H, V]`` with a ladder of power-of-two row TMAs, so a partial last
 chunk never writes into the next sequence's rows.
 """
@@ -125,7 +126,10 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
     return s
 
   s = lax.fori_loop(0, nch, step, s0)
-  pl.when((slot >= 0) & (nch > 0))(lambda: write_state(s, slot))
+  # A sequence without chunks ends in its initial state: a slot read as its own initial state is left as it
+  # is (bitwise), any other gets the zero state. Writing it here, from the program that owns the sequence,
+  # costs one predicate on the hot path and no extra pass over the pool.
+  pl.when((slot >= 0) & ((nch > 0) | jnp.logical_not(has_init)))(lambda: write_state(s, slot))
   plgpu.wait_smem_to_gmem(0)
 
 

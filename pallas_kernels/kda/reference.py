@@ -19,6 +19,8 @@ LOG2E = 1.4426950408889634
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
 SUB_BLOCK = 16
+# Floor of the per-token gate in log2 units inside the chunked form (see ``_chunk_prep``).
+GATE_FLOOR = -256.0
 _HI = lax.Precision.HIGHEST
 _f32 = jnp.float32
 
@@ -111,43 +113,63 @@ def kda_recurrent_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arr
 # Chunked WY algorithm (spec §4).
 
 
-def _diag_block(a: jax.Array, b: jax.Array, G: jax.Array, bounded: bool) -> jax.Array:
-  """``M[p, i, j] = sum_d a[p, i, d] b[j, d] 2^(G[i, d] - G[j, d])`` for ``j <= i`` in one 16x16 diagonal
-  block; ``a [P, n, K]`` stacks several left operands, ``b, G [n, K]``.
+def _span_sums(g: jax.Array, lo: jax.Array, hi: jax.Array) -> jax.Array:
+  """``sum_s g[s]`` over the rows ``lo < s <= hi`` of ``g [n, K]`` (``lo``, ``hi`` int arrays of one shape
+  ``[...]``; an empty span sums to 0) -> ``[..., K]``.
 
-  Bounded gate (per-token ``g >= -5``): one anchor at the block midpoint (row 8), so each factor spans at
-  most 8 tokens (``|exponent| <= 8 * 5 * log2e ~ 58``) and the block is a plain matmul. The anti-causal
+  Every gate exponent of the chunked form is such a span, summed directly rather than taken as a difference
+  of two cumulative sums: the terms all have one sign, so the sum is accurate to a few ulps of itself, while
+  a difference of cumulative sums loses a short span's decay next to a large one (after a spiky token, or
+  at extreme ``A_log``), and its rounding can make an exponent that must be <= 0 positive, which overflows.
+  """
+  s = jnp.arange(g.shape[0])
+  mask = (lo[..., None] < s) & (s <= hi[..., None])
+  return _einsum("...s,sd->...d", mask.astype(_f32), g)
+
+
+def _diag_block(a: jax.Array, b: jax.Array, g: jax.Array, bounded: bool) -> jax.Array:
+  """``M[p, i, j] = sum_d a[p, i, d] b[j, d] 2^(G[i, d] - G[j, d])`` for ``j <= i`` in one 16x16 diagonal
+  block, ``G`` the cumulative log2 gate ``g``; ``a [P, n, K]`` stacks several left operands, ``b, g [n, K]``.
+
+  Bounded gate (per-token ``g >= -5 log2(e)``): one anchor at the block midpoint (row 8), so each factor spans
+  at most 8 tokens (``|exponent| <= 8 * 5 * log2e ~ 58``) and the block is a plain matmul. The anti-causal
   products can reach ``2^116`` (finite in f32) and are removed with a select, never a multiply.
   Unbounded gate: no shared anchor is safe, so every pair gets its own ``exp2`` of a non-positive exponent;
   the anti-causal exponents are masked to -inf *before* ``exp2``.
-  Rows past a sequence end carry g = 0, so their G equals the last valid row (the anchor stays exact).
+  Rows past a sequence end carry g = 0 (the anchor stays exact).
   """
   n = b.shape[0]
-  causal = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
+  r = jnp.arange(n)
+  causal = r[:, None] >= r[None, :]
   if bounded:
-    mu = G[min(n // 2, n - 1)]
-    m = _einsum("pid,jd->pij", a * jnp.exp2(G - mu), b * jnp.exp2(mu - G))
+    mid = jnp.full((n,), min(n // 2, n - 1))
+    e = jnp.where((r >= mid)[:, None], _span_sums(g, mid, r), -_span_sums(g, r, mid))  # G[r] - G[mid]
+    m = _einsum("pid,jd->pij", a * jnp.exp2(e), b * jnp.exp2(-e))
     return jnp.where(causal, m, 0.0)
-  expo = jnp.where(causal[:, :, None], G[:, None, :] - G[None, :, :], -jnp.inf)
+  expo = jnp.where(causal[:, :, None], _span_sums(g, r[None, :], r[:, None]), -jnp.inf)
   return _einsum("pid,jd,ijd->pij", a, b, jnp.exp2(expo))
 
 
-def _intra_chunk(a: jax.Array, b: jax.Array, G: jax.Array, bounded: bool) -> jax.Array:
+def _intra_chunk(a: jax.Array, b: jax.Array, g: jax.Array, bounded: bool) -> jax.Array:
   """Lower-triangular (diagonal included) ``[P, C, C]`` matrices of ``sum_d a_p,i b_j 2^(G_i - G_j)``
-  (``a [P, C, K]``, ``b, G [C, K]``), built from 16x16 sub-blocks: diagonal blocks by ``_diag_block``; an
-  off-diagonal block (i > j) anchored at the first row of query sub-block i, so both factors are <= 1
-  (spec §4.3)."""
+  (``a [P, C, K]``, ``b, g [C, K]``, ``G`` the cumulative log2 gate ``g``), built from 16x16 sub-blocks:
+  diagonal blocks by ``_diag_block``; an off-diagonal block (i > j) anchored just before the first row of
+  query sub-block i, so both factors are <= 1 (spec §4.3)."""
   P, C, K = a.shape
   nb = C // SUB_BLOCK
+  r = jnp.arange(C)
+  anchor = (r // SUB_BLOCK) * SUB_BLOCK - 1  # the row before each row's sub-block
+  row_expo = _span_sums(g, anchor, r)  # G_r - G_anchor <= 0
+  # [i, j, s, K]: the key factor of block j under the anchor of query block i, -inf where j >= i (there the
+  # span is empty and the key is not below the anchor).
+  block_anchor = jnp.arange(nb) * SUB_BLOCK - 1
+  key_span = _span_sums(g, jnp.broadcast_to(r, (nb, C)), jnp.broadcast_to(block_anchor[:, None], (nb, C)))
+  below = (r[None, :] // SUB_BLOCK) < jnp.arange(nb)[:, None]
+  key_expo = jnp.where(below[:, :, None], key_span, -jnp.inf).reshape(nb, nb, SUB_BLOCK, K)
   a = a.reshape(P, nb, SUB_BLOCK, K)
-  b, G = (x.reshape(nb, SUB_BLOCK, K) for x in (b, G))
-  mu = G[:, 0]
-  below = jnp.arange(nb)[:, None] > jnp.arange(nb)[None, :]
-  # [i, j, s, K]: key factor of block j under the anchor of query block i; masked to -inf before exp2 where
-  # j >= i, since there the exponent is positive and may overflow.
-  key_expo = jnp.where(below[:, :, None, None], mu[:, None, None, :] - G[None], -jnp.inf)
-  off = _einsum("pird,ijsd->pirjs", a * jnp.exp2(G - mu[:, None]), b[None] * jnp.exp2(key_expo))
-  diag = jax.vmap(functools.partial(_diag_block, bounded=bounded), in_axes=(1, 0, 0), out_axes=1)(a, b, G)
+  b, g, row_expo = (x.reshape(nb, SUB_BLOCK, K) for x in (b, g, row_expo))
+  off = _einsum("pird,ijsd->pirjs", a * jnp.exp2(row_expo), b[None] * jnp.exp2(key_expo))
+  diag = jax.vmap(functools.partial(_diag_block, bounded=bounded), in_axes=(1, 0, 0), out_axes=1)(a, b, g)
   on_diag = jnp.eye(nb, dtype=bool)[:, None, :, None]
   return (off + jnp.where(on_diag, diag[:, :, :, None, :], 0.0)).reshape(P, C, C)
 
@@ -160,17 +182,23 @@ def _chunk_prep(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
   sequence end must hold k = 0, g = 0, beta = 0 (then they neither decay nor write the state).
 
   Returns: ``qg = scale * q * 2^G [C, K]``, ``aqk [C, C]`` (lower, diagonal included, scaled),
-  ``w [C, K]``, ``u [C, V]``, ``kg = k * 2^(G_last - G) [C, K]``, ``gamma = 2^G_last [K]``; all f32.
+  ``w [C, K]``, ``u [C, V]``, ``kg = k * 2^(G_last - G) [C, K]``, ``gamma = 2^G_last [K]``; all f32, with
+  ``G`` the cumulative gate in log2 units.
   """
   C, K = q.shape
-  G = jnp.cumsum(g, axis=0) * LOG2E
-  qk, kk = _intra_chunk(jnp.stack([q, k]), k, G, bounded)
-  lmat = jnp.where(jnp.arange(C)[:, None] > jnp.arange(C)[None, :], beta[:, None] * kk, 0.0)
+  # A token at the floor zeroes every factor spanning it, as its true gate does (2^-150 is already 0 in
+  # f32); the floor keeps the span sums finite (g = -inf once exp(A_log) overflows).
+  g = jnp.maximum(g * LOG2E, GATE_FLOOR)
+  r = jnp.arange(C)
+  G = _span_sums(g, jnp.full((C,), -1), r)
+  G_to_last = _span_sums(g, r, jnp.full((C,), C - 1))  # G_last - G
+  qk, kk = _intra_chunk(jnp.stack([q, k]), k, g, bounded)
+  lmat = jnp.where(r[:, None] > r[None, :], beta[:, None] * kk, 0.0)
   decay = jnp.exp2(G)
   # (I + L) is unit lower triangular; solve it against both right-hand sides instead of forming its inverse.
   rhs = beta[:, None] * jnp.concatenate([k * decay, v], axis=1)
   wu = jax.scipy.linalg.solve_triangular(jnp.eye(C, dtype=_f32) + lmat, rhs, lower=True, unit_diagonal=True)
-  return (scale * q * decay, scale * qk, wu[:, :K], wu[:, K:], k * jnp.exp2(G[-1] - G), decay[-1])
+  return (scale * q * decay, scale * qk, wu[:, :K], wu[:, K:], k * jnp.exp2(G_to_last), decay[-1])
 
 
 def _chunk_state_step(state: jax.Array, prep: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:

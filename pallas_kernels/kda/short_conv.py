@@ -76,7 +76,8 @@ def short_conv_prefill(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array
     conv_pool: ``[P, W - 1, D]`` conv state pool (layout in the module docstring), any float dtype (kept).
     state_indices: ``[N]`` int slot of each sequence, read (if ``has_initial_state``) and written with the
       last ``W - 1`` pre-conv rows after the sequence; -1: zero history, write nothing. A length-0
-      sequence leaves its slot unchanged.
+      sequence with an initial state leaves its slot bitwise unchanged; one without writes zeros (the state
+      after zero tokens from a zero history, as ``kda_prefill``).
     has_initial_state: ``[N]`` bool.
     checkpoint_indptr: ``[N + 1]`` int CSR row pointer (None: no checkpoints; the three go together).
     checkpoint_offsets: ``[M]`` int, tokens from the start of sequence n, in ``(0, L_n]``: the ``W - 1``
@@ -141,7 +142,8 @@ def _prefill(x, weight, cu_seqlens, conv_pool, state_indices, has_initial_state,
   windows = history(tok_seq[:, None], tok_pos[:, None] + jnp.arange(-hist_len, 1))
   y = _conv(windows, weight, activation).astype(x.dtype)
 
-  new_pool = _scatter_rows(conv_pool, jnp.where(lengths > 0, state_indices, -1),
+  # A length-0 sequence ends in its history: its own slot is left as it is, a zero history is written.
+  new_pool = _scatter_rows(conv_pool, jnp.where((lengths > 0) | ~has_initial_state, state_indices, -1),
                            state_before(jnp.arange(n), lengths))
   if checkpoint_indptr is not None and checkpoint_offsets.shape[0]:
     ck_seq = jnp.searchsorted(checkpoint_indptr[1:], jnp.arange(checkpoint_offsets.shape[0]),
@@ -211,5 +213,6 @@ def _update(x, weight, conv_pool, state_indices, num_accepted, *, activation):
   y = jnp.where(live[:, None, None], _conv(windows, weight, activation), 0.0).astype(x.dtype)
   states = windows[:, :, 1:]  # the window after token t, minus the oldest row: [N, 1 + S, W - 1, D]
   write = jnp.where(live[:, None], state_indices, -1)
-  new_pool = _scatter_rows(conv_pool, write.reshape(-1), states.reshape(n * steps, hist_len, -1))
+  # Explicit D: a -1 in the reshape of an empty batch (N = 0) divides by zero.
+  new_pool = _scatter_rows(conv_pool, write.reshape(-1), states.reshape(n * steps, hist_len, x.shape[-1]))
   return y, new_pool

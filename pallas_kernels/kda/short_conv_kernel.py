@@ -289,10 +289,11 @@ def _prefill_body(x_ref, w_ref, head_ref, cu_ref, slots_ref, read_ref, ck_ptr_re
             pos = offset + j - hist_len  # position in the sequence; negative: history row pos + W - 1
             pl.when(pos >= 0)(lambda j=j, pos=pos: pool_ref.__setitem__(
                 (dst, j, chans), _to_pool(row(clamp(begin + pos)), pool_ref.dtype)))
-            for k in range(j + 1, hist_len):  # offset >= 1, so a history row k > j
+            for k in range(j, hist_len):  # offset >= 0, so a history row k >= j (k == j: offset 0)
               pl.when(pos + hist_len == k)(lambda j=j, k=k: pool_ref.__setitem__((dst, j, chans), old[k]))
 
-        pl.when((slot >= 0) & (length > 0))(lambda: write_state(slot, length))
+        # A length-0 sequence ends in its history: its own slot stays as it is, a zero history is written.
+        pl.when((slot >= 0) & ((length > 0) | (read_ref[n] == 0)))(lambda: write_state(slot, length))
         if checkpoints:
           def checkpoint(i, carry):
             dst = ck_slot_ref[i]
@@ -369,8 +370,13 @@ def short_conv_prefill_mosaic(x: jax.Array, weight: jax.Array, cu_seqlens: jax.A
   """
   num_tokens, d = x.shape
   _check_channels(d)
-  if num_tokens == 0:  # every sequence is empty: nothing to compute or write
-    return x, conv_pool
+  if num_tokens == 0:
+    # Every sequence is empty, but those without an initial state still write their zero state: run the
+    # kernel on one unused zero row (a program's loads need a row to read).
+    y, pool = short_conv_prefill_mosaic(jnp.zeros((1, d), x.dtype), weight, cu_seqlens, conv_pool, state_indices,
+                                        has_initial_state, checkpoint_indptr, checkpoint_offsets, checkpoint_slots,
+                                        activation=activation, interpret=interpret, blocks=blocks)
+    return y[:0], pool
   block, token_block = prefill_plan(num_tokens, d) if blocks is None else blocks
   if block not in BLOCKS or token_block not in TOKEN_BLOCKS:
     raise ValueError(f"blocks must be (BD, BT) with BD in {BLOCKS} and BT in {TOKEN_BLOCKS}, got {blocks}")
