@@ -8,7 +8,7 @@ longer hunt). CPU runs are derandomized, so CI draws the same examples every tim
 
 import os
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from pallas_kernels import _util
 
@@ -17,7 +17,10 @@ def budget(cpu: int, gpu: int) -> settings:
   """``hypothesis.settings`` for a randomized test: ``cpu`` examples without a Hopper GPU, ``gpu`` with one."""
   scale = float(os.environ.get("K3JAX_EXAMPLES", "1"))
   on_gpu = _util.is_hopper_gpu()
+  # No shrinking: each example compiles or interprets kernels, so shrinking a failure would cost minutes;
+  # the failing example is printed as drawn.
   return settings(max_examples=max(1, round((gpu if on_gpu else cpu) * scale)), deadline=None,
                   derandomize=not on_gpu, database=None, print_blob=True,
+                  phases=(Phase.explicit, Phase.generate),
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                          HealthCheck.function_scoped_fixture])
