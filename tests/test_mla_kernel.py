@@ -74,6 +74,60 @@ def test_every_partial_slot_is_written_and_runs_are_deterministic(kernel_impl):
   np.testing.assert_array_equal(np.asarray(lse_again), lse_parts)
 
 
+def test_splits_of_many_pages(kernel_impl):
+  # Splits of 3, 4, 7 and 13 pages (13 pages per split, the last sequence fills both splits, its last page
+  # partial) stream through the two-slot KV ring, so every slot is refilled and its last page is never
+  # followed by a refill. Interpret mode fails the kernel if a barrier phase completes that no warpgroup
+  # awaits (the ring's "consumed" barriers, from 3 pages per split on).
+  lens = [3 * PAGE - 1, 4 * PAGE, 7 * PAGE - 30, 13 * PAGE, 26 * PAGE - 5]
+  args = make_inputs(26, lens, num_heads=8, max_pages=26, q_dtype=jnp.bfloat16)
+  o, lse = mla_decode(*args, scale=SCALE, config=_config(kernel_impl, 2, jnp.float32))
+  _check_against_references(args, o, lse, num_splits=2, partial_dtype=jnp.float32)
+
+
+def _poisoned_inputs():
+  """Inputs with NaN / inf in used cache rows and in q, besides the NaN that ``make_inputs`` puts everywhere else.
+
+  Sequence 0: NaN in the rope part of token 70 (its second page). Sequence 1: +inf in the V part of its last
+  token (logit +inf or -inf by the sign of q, so NaN or a 0 * inf in ``P @ V``). Sequence 2: NaN in q of
+  head 1 only. Sequence 3 is empty. Sequence 5: +inf in q of head 2. Half of the pages no table uses hold
+  +inf instead of NaN. Sequence 4 and the other heads are clean and must be unaffected.
+  """
+  q, cache, table, lens = make_inputs(27, [150, 130, 100, 0, 65, 90], num_heads=4, max_pages=3,
+                                      q_dtype=jnp.bfloat16)
+  table = np.asarray(table)
+  cache = cache.at[table[0, 1], 70 - PAGE, LATENT + 3].set(jnp.nan)
+  cache = cache.at[table[1, 2], 129 - 2 * PAGE, 10].set(jnp.inf)
+  unused = np.setdiff1d(np.arange(cache.shape[0]), table[table >= 0])
+  cache = cache.at[unused[::2]].set(jnp.inf)
+  q = q.at[2, 1, 5].set(jnp.nan).at[5, 2, 100].set(jnp.inf)
+  return q, cache, jnp.asarray(table), lens
+
+
+@pytest.mark.parametrize("partial_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("impl", ["xla", "kernel"])
+def test_non_finite_inputs_propagate_and_unused_rows_do_not(kernel_impl, impl, partial_dtype):
+  # A NaN or inf in a token's cache row or in q is not an empty sequence: the heads it reaches are
+  # non-finite (exactly where the f64 oracle's are), whichever split holds it; an empty sequence stays
+  # (0, -inf), and the NaN / inf in rows and pages that are no tokens never reach the result.
+  args = _poisoned_inputs()
+  with np.errstate(invalid="ignore"):
+    o_ref, lse_ref = oracle(*args, scale=SCALE)
+  bad = ~np.isfinite(o_ref).all(axis=-1)
+  assert bad[0].all() and bad[1].all() and bad[2].tolist() == [False, True, False, False]
+  assert bad[5].tolist() == [False, False, True, False] and not bad[[3, 4]].any()
+  for num_splits in (1, 3):
+    o, lse = mla_decode(*args, scale=SCALE,
+                        config=_config(kernel_impl if impl == "kernel" else impl, num_splits, partial_dtype))
+    o, lse = np.asarray(o, np.float32), np.asarray(lse)
+    np.testing.assert_array_equal(~np.isfinite(o).all(axis=-1), bad)
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(lse_ref))
+    assert (o[3] == 0).all() and np.isneginf(lse[3]).all()
+    live = ~bad & (np.asarray(args[3]) > 0)[:, None]
+    assert rel_l2(o[live], o_ref[live]) < O_REL_L2
+    np.testing.assert_allclose(lse[live], lse_ref[live], atol=LSE_ATOL)
+
+
 def test_f32_partials_closer_to_oracle_than_bf16_partials(kernel_impl):
   # Diffuse attention (q_std 0.3) over 8 one-page splits: split averages are ~sqrt(8) larger than the
   # result, so rounding them to bf16 costs more than the kernel's bf16 P. The merge output is f32 here,

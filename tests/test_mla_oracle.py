@@ -1,6 +1,6 @@
 """Shared MLA test inputs and the independent float64 NumPy oracle, with the oracle's own hand check.
 
-The other tests/test_mla_*.py import ``make_inputs``, ``oracle`` and ``rel_l2`` from here.
+The other tests/test_mla_*.py import ``make_inputs``, ``oracle``, ``merge_oracle`` and ``rel_l2`` from here.
 """
 
 import jax.numpy as jnp
@@ -66,6 +66,20 @@ def oracle(q, cache, table, lens, *, scale: float, latent: int = LATENT):
     o[b] = p @ rows[:, :latent] / p.sum(axis=1, keepdims=True)
     lse[b] = m[:, 0] + np.log(p.sum(axis=1))
   return o, lse
+
+
+def merge_oracle(o_parts, lse_parts):
+  """float64 log-sum-exp merge: an empty part (LSE -inf) adds nothing whatever its o, a NaN LSE gives NaN.
+
+  Returns:
+    ``o [..., Dc]`` f64 and ``lse [...]`` f64 of the ``[S, ..., Dc]`` parts and their ``[S, ...]`` LSE.
+  """
+  o_parts = np.asarray(jnp.asarray(o_parts, jnp.float32), np.float64)
+  lse_parts = np.asarray(lse_parts, np.float64)
+  with np.errstate(invalid="ignore"):
+    lse = np.logaddexp.reduce(lse_parts, axis=0)
+    w = np.where(np.isneginf(lse_parts), 0.0, np.exp(lse_parts - lse))
+    return np.sum(np.where(w[..., None] == 0, 0.0, w[..., None] * o_parts), axis=0), lse
 
 
 def rel_l2(x, ref) -> float:

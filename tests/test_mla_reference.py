@@ -9,7 +9,7 @@ import pytest
 
 from pallas_kernels.mla import MlaDecodeConfig, api, merge_partials, mla_decode
 from pallas_kernels.mla.reference import mla_decode_partials_reference, mla_decode_reference
-from test_mla_oracle import LATENT, PAGE, ROPE, SCALE, hand_case, make_inputs, oracle, rel_l2
+from test_mla_oracle import LATENT, PAGE, ROPE, SCALE, hand_case, make_inputs, merge_oracle, oracle, rel_l2
 
 LENS = [0, 1, 63, 64, 65, 200, 1000]
 
@@ -125,26 +125,21 @@ def test_mla_decode_under_jit_with_traced_lengths():
   np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=1e-5)
 
 
-def _merge_oracle(o_parts, lse_parts):
-  o_parts, lse_parts = np.asarray(o_parts, np.float64), np.asarray(lse_parts, np.float64)
-  lse_parts = np.where(np.isnan(lse_parts) | (lse_parts == np.inf), -np.inf, lse_parts)
-  lse = np.logaddexp.reduce(lse_parts, axis=0)
-  with np.errstate(invalid="ignore"):
-    w = np.where(np.isneginf(lse_parts), 0.0, np.exp(lse_parts - lse))
-  return np.sum(np.where(w[..., None] > 0, w[..., None] * o_parts, 0.0), axis=0), lse
-
-
 def test_merge_partials_hand_case():
-  # Parts (o, lse) = (1, 0), (3, ln 3), an empty (0, -inf) and an unwritten (NaN, NaN): weights 1/4, 3/4,
-  # 0, 0, so o = 1/4 + 9/4 = 2.5 and lse = ln 4. Row 2 has only empty parts: (0, -inf).
-  nan = np.nan
-  o_parts = jnp.array([[[1.0], [0.0]], [[3.0], [0.0]], [[0.0], [nan]], [[nan], [nan]]], jnp.float32)
-  lse_parts = jnp.array([[0.0, -np.inf], [np.log(3), -np.inf], [-np.inf, np.inf], [nan, nan]], jnp.float32)
+  # Row 0: parts (o, lse) = (1, 0), (3, ln 3) and an empty (NaN, -inf): weights 1/4, 3/4 and 0, so
+  # o = 1/4 + 9/4 = 2.5 and lse = ln 4; the empty part contributes nothing, whatever its o holds.
+  # Row 1 has only empty parts: (0, -inf). Row 2 has a NaN LSE beside a real part and row 3 a +inf LSE
+  # (a split that met an infinite logit): both are non-finite inputs, so (NaN, NaN), not an empty part.
+  nan, inf = np.nan, np.inf
+  o_parts = jnp.array([[[1.0], [nan], [1.0], [1.0]], [[3.0], [0.0], [nan], [nan]], [[nan], [nan], [0.0], [0.0]]],
+                      jnp.float32)
+  lse_parts = jnp.array([[0.0, -inf, 0.0, 0.0], [np.log(3), -inf, nan, inf], [-inf, -inf, -inf, -inf]],
+                        jnp.float32)
   o, lse = merge_partials(o_parts, lse_parts, out_dtype=jnp.float32)
-  assert o.shape == (2, 1) and o.dtype == jnp.float32 and lse.shape == (2,) and lse.dtype == jnp.float32
+  assert o.shape == (4, 1) and o.dtype == jnp.float32 and lse.shape == (4,) and lse.dtype == jnp.float32
   # rtol 1e-6: a handful of f32 roundings.
-  np.testing.assert_allclose(np.asarray(o), [[2.5], [0.0]], rtol=1e-6)
-  np.testing.assert_allclose(np.asarray(lse), [np.log(4), -np.inf], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(o), [[2.5], [0.0], [nan], [nan]], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(lse), [np.log(4), -inf, nan, nan], rtol=1e-6)
 
 
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
@@ -157,7 +152,7 @@ def test_merge_partials_matches_oracle_with_empty_parts(out_dtype):
   o_parts[lse_parts == -np.inf] = 0.0
   o, lse = merge_partials(jnp.asarray(o_parts, jnp.bfloat16), jnp.asarray(lse_parts), out_dtype=out_dtype)
   assert o.shape == (3, 4, 32) and o.dtype == out_dtype and lse.shape == (3, 4) and lse.dtype == jnp.float32
-  o_ref, lse_ref = _merge_oracle(jnp.asarray(o_parts, jnp.bfloat16).astype(jnp.float32), lse_parts)
+  o_ref, lse_ref = merge_oracle(jnp.asarray(o_parts, jnp.bfloat16).astype(jnp.float32), lse_parts)
   # f32 merge of bf16-exact parts: 1e-5 of f32 noise, plus half a bf16 ulp (2^-8 relative) when rounding to bf16.
   rtol = 2.0 ** -8 if out_dtype == jnp.bfloat16 else 0.0
   np.testing.assert_array_less(np.abs(np.asarray(o, np.float64) - o_ref), rtol * np.abs(o_ref) + 1e-5)

@@ -80,7 +80,8 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
 
   Returns:
     ``o [B, Hq, Dc]`` in ``out_dtype`` and ``lse [B, Hq]`` f32 (natural log); an empty sequence gives
-    ``o = 0``, ``lse = -inf``.
+    ``o = 0``, ``lse = -inf``. A NaN or inf in ``q_abs`` or in a token's cache row makes the heads it
+    reaches non-finite (NaN where it reaches the logits), whatever ``num_splits``.
 
   Raises:
     ValueError: malformed shapes, dtypes (``out_dtype`` too) or (when concrete) ``seq_lens`` / used page ids
@@ -106,10 +107,12 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
 
 def merge_partials(o_parts: jax.Array, lse_parts: jax.Array, *,
                    out_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
-  """Sanitized log-sum-exp merge of ``S`` normalised partials (spec ``mla.md`` §3.4).
+  """Log-sum-exp merge of ``S`` normalised partials (spec ``mla.md`` §3.4).
 
-  An LSE of NaN or ``+inf`` counts as an empty part, as does ``-inf``; an empty part contributes nothing,
-  whatever its ``o`` holds. All arithmetic is f32 and the output is rounded once, at the end.
+  A part with LSE ``-inf`` is empty (no tokens) and contributes nothing, whatever its ``o`` holds. A NaN or
+  ``+inf`` LSE comes from a non-finite input (a NaN or inf in q or in a token's cache row) and makes the
+  merged row NaN: it is never mistaken for an empty part. All arithmetic is f32 and the output is rounded
+  once, at the end.
 
   Args:
     o_parts: ``[S, ..., Dc]`` normalised partial outputs (f32/bf16/f16).
@@ -117,7 +120,7 @@ def merge_partials(o_parts: jax.Array, lse_parts: jax.Array, *,
     out_dtype: dtype of the merged output.
 
   Returns:
-    ``o [..., Dc]`` in ``out_dtype`` and ``lse [...]`` f32; an all-empty row gives ``(0, -inf)``, never NaN.
+    ``o [..., Dc]`` in ``out_dtype`` and ``lse [...]`` f32; an all-empty row gives ``(0, -inf)``.
   """
   _util.check_dtype("o_parts", o_parts, _util.FLOAT_DTYPES)
   _util.check_dtype("lse_parts", lse_parts, (jnp.float32,))
@@ -127,13 +130,14 @@ def merge_partials(o_parts: jax.Array, lse_parts: jax.Array, *,
   _util.check_shape("lse_parts", lse_parts, tuple(o_parts.shape[:-1]))
   if o_parts.shape[0] < 1:
     raise ValueError(f"o_parts must hold at least one part (S >= 1), got shape {tuple(o_parts.shape)}")
-  lse = jnp.where(jnp.isnan(lse_parts) | (lse_parts == jnp.inf), -jnp.inf, lse_parts)
-  top = jnp.max(lse, axis=0)
+  # max propagates NaN; a +inf part gives exp(inf - inf) = NaN below. Only the all-empty row needs a finite
+  # shift, and it keeps total = 0, hence lse = log(0) = -inf.
+  top = jnp.max(lse_parts, axis=0)
   top = jnp.where(top == -jnp.inf, 0.0, top)
-  e = jnp.exp(lse - top)
+  e = jnp.exp(lse_parts - top)
   total = jnp.sum(e, axis=0)
-  nonempty = total > 0
-  weights = e / jnp.where(nonempty, total, 1.0)
-  o = jnp.sum(jnp.where(weights[..., None] > 0, weights[..., None] * o_parts.astype(jnp.float32), 0.0), axis=0)
-  lse_out = jnp.where(nonempty, top + jnp.log(jnp.where(nonempty, total, 1.0)), -jnp.inf)
-  return o.astype(out_dtype), lse_out
+  weights = e / jnp.where(total == 0, 1.0, total)
+  # A zero weight (an empty part, or one underflowed next to the others) must drop its o even if that is
+  # NaN (the o of an empty part is not defined); a NaN weight must not, so no `weights > 0` here.
+  o = jnp.sum(jnp.where(weights[..., None] == 0, 0.0, weights[..., None] * o_parts.astype(jnp.float32)), axis=0)
+  return o.astype(out_dtype), top + jnp.log(total)

@@ -12,13 +12,15 @@ Per page, in f32 and the base-2 domain (spec ``mla.md`` §3.2):
     ``exp2``, row sums ``l``) and stores ``P`` (bf16) and the rescale ``alpha`` into SMEM;
   * both compute warpgroups then do ``O_w = O_w * alpha + P @ V[:, 256w : 256w + 256]``: warpgroup ``w`` owns
     half of the ``Dc = 512`` output columns (a ``[64, 256]`` f32 accumulator, 128 registers a thread), and V
-    is the first 512 columns of the same tile. Two barriers hand ``P`` over (ready / free).
+    is the first 512 columns of the same tile. Two barriers hand ``P`` over (ready / free); both compute
+    warpgroups release a ring slot (``consumed``) only when the memory warpgroup will load it again.
 QK runs once per page (not once per warpgroup), and a 32-token split of QK is not possible: the wgmma K of
 ``P @ V`` must span a whole 128-byte swizzle (64 bf16 tokens), so ``P`` has to be one ``[64, 64]`` tile.
 Rows past ``seq_len`` in the last page are zeroed in SMEM before ``P @ V``: their ``P`` is 0, but the cache
 may hold NaN there and ``0 * NaN = NaN``. The partial ``acc / l`` is stored in ``partial_dtype`` with its
-LSE (natural log, f32); an empty split writes ``(0, -inf)``. Only the real head rows (rounded up to 8) are
-stored. The epilogue staging buffer is aliased onto the KV ring (``plgpu.RefUnion``): a ``[64, 512]`` f32
+LSE (natural log, f32); an empty split writes ``(0, -inf)``, and a NaN or inf in q or in a token's row
+gives NaN (non-finite inputs are never mistaken for an empty split). Only the real head rows (rounded up to
+8) are stored. The epilogue staging buffer is aliased onto the KV ring (``plgpu.RefUnion``): a ``[64, 512]`` f32
 staging tile does not fit beside it. SMEM: q 72 KiB + ring 144 KiB + P 8 KiB + row vectors, inside the
 227 KiB only with ``reduction_scratch_bytes=0`` (row reductions of the WGMMA layout stay inside a warp).
 
@@ -88,6 +90,18 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
       return acc + pl.run_scoped(pv, plgpu.ACC((ROWS, COLS), jnp.float32))
     return pl.run_state(pv)(plgpu.ACC.init(acc))
 
+  def release(i, slot):
+    """Hands ring slot ``slot`` back to the memory warpgroup after page ``i``, if that slot is loaded again.
+
+    The memory warpgroup waits on ``consumed_bar[slot]`` only before it loads page ``i + STAGES`` into the
+    slot, so the last ``STAGES`` pages of a split are never released: an arrival for them would complete a
+    barrier phase that no warpgroup awaits. On the GPU that is no race (the memory warpgroup has issued its
+    last copy and waits for nothing more), but every thread that waits on a barrier must observe each of
+    its phases, and interpret mode checks that when the barrier is deallocated (it failed from 3 pages per
+    split on, once the memory warpgroup had awaited an earlier phase of slot 0).
+    """
+    pl.when(i + STAGES < num_pages)(lambda: plgpu.barrier_arrive(consumed_bar.at[slot]))
+
   def store_rows(copy):
     """``copy(n)`` stores the first n rows of this head tile: only real heads (rounded up to 8) reach HBM."""
     if last_rows == ROWS:
@@ -138,7 +152,7 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready_bar)
       acc = accumulate(acc, alpha, tile, cols)
-      plgpu.barrier_arrive(consumed_bar.at[slot])
+      release(i, slot)
       return acc, m_new, l
 
     acc = plgpu.layout_cast(jnp.zeros((ROWS, COLS), jnp.float32), plgpu.Layout.WGMMA)
@@ -150,11 +164,14 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
     def _():
       plgpu.barrier_wait(p_free_bar)  # warpgroup 1 is done with the ring: the staging may overwrite it
 
-    nonempty = l > 0
-    safe_l = jnp.where(nonempty, l, 1.0)
-    inv_l = jnp.where(nonempty, 1.0 / safe_l, 0.0)
+    # l = 0 is an empty split (no page, and acc = 0): (0, -inf). With tokens, l is NaN after a NaN or inf
+    # in q or a token's row (exp2 of NaN or of inf - inf), or 0 if every logit was -inf (an infinite input
+    # too): both give NaN, never the (0, -inf) that merge_partials drops as an empty split.
+    l = jnp.where(l == 0, jnp.where(num_pages > 0, jnp.nan, 0.0), l)
+    empty = l == 0
+    inv_l = jnp.where(empty, 0.0, 1.0 / l)
     row_smem[...] = inv_l
-    lse_smem[...] = jnp.where(nonempty, (m + jnp.log2(safe_l)) * LN2, -jnp.inf)
+    lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l)) * LN2)
     plgpu.commit_smem()
     plgpu.barrier_arrive(p_ready_bar)
     store_rows(lambda n: plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, n)], lse_ref.at[split, b, pl.ds(row0, n)]))
@@ -176,7 +193,7 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
       plgpu.barrier_wait(p_ready_bar)
       acc = accumulate(acc, plgpu.load(row_smem, layout=row_layout), tile, cols)
       plgpu.barrier_arrive(p_free_bar)
-      plgpu.barrier_arrive(consumed_bar.at[slot])
+      release(i, slot)
       return acc
 
     acc = plgpu.layout_cast(jnp.zeros((ROWS, COLS), jnp.float32), plgpu.Layout.WGMMA)

@@ -91,19 +91,25 @@ def _attend(q_abs: jax.Array, kv: jax.Array, valid: jax.Array, *, scale: float,
   Returns:
     ``o [B, Hq, Dc]`` f32 normalised and ``lse [B, Hq]`` f32 natural log; ``(0, -inf)`` where no token
     is valid. Invalid tokens enter neither the logits nor V (``where``, not a multiply, since their rows
-    may be NaN).
+    may be NaN). A NaN or inf in q or in a valid token's row gives a non-finite ``o`` and, where it reaches
+    the logits, a NaN ``lse``: never the ``(0, -inf)`` of an empty row, which ``merge_partials`` drops.
   """
   dtype = jnp.promote_types(q_abs.dtype, kv.dtype)
   s = jnp.einsum("bhd,btd->bht", q_abs.astype(dtype), kv.astype(dtype), precision=_HIGHEST,
                  preferred_element_type=jnp.float32) * scale
   s = jnp.where(valid[:, None, :], s, -jnp.inf)
   m = jnp.max(s, axis=-1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  # Only an all -inf row needs a finite shift: a NaN max, or a +inf one (exp(inf - inf)), must give NaN.
+  m = jnp.where(m == -jnp.inf, 0.0, m)
   p = jnp.exp(s - m)
   l = jnp.sum(p, axis=-1)
   v = jnp.where(valid[:, :, None], kv[:, :, :latent_dim].astype(jnp.float32), 0.0)
-  o = jnp.einsum("bht,btc->bhc", p, v, precision=_HIGHEST) / jnp.where(l > 0, l, 1.0)[:, :, None]
-  lse = jnp.where(l > 0, m[:, :, 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+  # l > 0 unless no token is valid (empty: 0 / 1 = 0 and lse -inf) or every valid logit is -inf, which
+  # only infinite inputs give and where the softmax is 0 / 0 = NaN. A NaN l stays NaN in o and lse.
+  empty = ~valid.any(axis=-1)[:, None]
+  l = jnp.where(empty, 1.0, jnp.where(l == 0, jnp.nan, l))
+  o = jnp.einsum("bht,btc->bhc", p, v, precision=_HIGHEST) / l[:, :, None]
+  lse = jnp.where(empty, -jnp.inf, m[:, :, 0] + jnp.log(l))
   return o, lse
 
 
