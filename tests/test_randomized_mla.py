@@ -1,0 +1,151 @@
+"""Randomized differential tests of ``mla_decode`` and ``merge_partials`` (hypothesis).
+
+Each example draws a whole decode batch: lengths with the page edges (0, 1, 63, 64, 65, full), scattered
+page ids, padding ids past each sequence's last page, ``num_splits`` from 1 to more splits than pages (or
+the heuristic), both partial dtypes, diffuse to peaky attention (a few rows aligned with a head's query,
+whose logits stand far above the rest), and poison (NaN, +-inf or a huge value) in every cache row that is
+no token: the rows past a sequence's end and the pages no table uses. The kernel (``kernel_impl``) is
+compared with the split reference (``impl="xla"``, same splits and partial dtype) and with the float64
+oracle of ``test_mla_oracle``. Shapes are small in interpret mode (CPU) and realistic on a Hopper GPU.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pallas_kernels import _util
+from pallas_kernels.mla import MlaDecodeConfig, merge_partials, mla_decode
+from support import budget
+from test_mla_oracle import LATENT, PAD_IDS, PAGE, ROPE, SCALE, merge_oracle, oracle
+
+ON_GPU = _util.is_hopper_gpu()
+# Interpret mode simulates every warpgroup, copy and barrier, so CPU examples stay small: a few sequences of
+# up to 13 pages. Hq = 72 gives a second, mostly empty head tile. On the GPU: K3's 16 or 128 heads per
+# device (and 96: one full tile and a half-used one), contexts of up to 8K tokens.
+HEADS = (16, 64, 96, 128) if ON_GPU else (1, 5, 16, 72)
+MAX_BATCH = 8 if ON_GPU else 3
+MAX_PAGES = 128 if ON_GPU else 13
+POISON = (np.nan, np.inf, -np.inf, 1e30)  # bf16 holds 1e30 (max 3.4e38): a huge finite row, not just NaN
+
+# Largest per-row relative L2 error of o against the f64 oracle (and between kernel and xla reference), by
+# partial dtype. Every path rounds o to bf16 once at the end (about 2^-9 relative, rms); the kernel also
+# rounds P to bf16 for ``P @ V`` (2^-9 per weight, averaged down over the tokens); bf16 partials add one more
+# rounding of each split's output. With independent tokens that last error does not grow with S (split
+# averages of n / S tokens are sqrt(S) larger than the result, but their S errors average down by sqrt(S)),
+# so each tolerance is about twice the sum of its terms, to cover the largest of up to ~1000 rows.
+O_REL_L2 = {jnp.float32: 6e-3, jnp.bfloat16: 1e-2}
+# LSE: f32 logits of bf16 inputs (exact products, f32 sums over 576 terms) up to ~40 with peaky rows, and
+# approx_math exp2 / log2 in the kernel.
+LSE_ATOL = 5e-5
+
+
+@st.composite
+def decode_batches(draw):
+  """``(args, num_splits, partial_dtype)``: ``args = (q [B, Hq, 576] bf16, cache bf16, table, lens)``."""
+  heads = draw(st.sampled_from(HEADS))
+  batch = draw(st.integers(1, MAX_BATCH))
+  max_pages = draw(st.integers(1, MAX_PAGES))
+  capacity = max_pages * PAGE
+  edges = [n for n in (0, 1, 63, 64, 65, capacity - 1, capacity) if n <= capacity]
+  length = st.one_of(st.sampled_from(edges), st.integers(0, capacity))
+  lens = np.array(draw(st.lists(length, min_size=batch, max_size=batch)), np.int32)
+  # None is the heuristic (one split below 16 pages); max_pages + 2 splits leave some without a page.
+  num_splits = draw(st.one_of(st.sampled_from([2, max_pages + 2, None]), st.integers(1, max_pages + 2)))
+  partial_dtype = draw(st.sampled_from([jnp.bfloat16, jnp.float32]))
+  q_std = draw(st.sampled_from([0.3, 1.0, 2.0]))
+  peaky_rows = draw(st.integers(0, 3))
+  poison = draw(st.sampled_from(POISON))
+  spare_pages = draw(st.integers(0, 4))
+  rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+
+  dim = LATENT + ROPE
+  need = -(-lens // PAGE)
+  num_pages = int(need.sum()) + spare_pages + 1
+  ids = rng.permutation(num_pages)  # scattered, out of order; the last spare_pages + 1 are never used
+  # Past each sequence's last page: padding ids, or ids of any page (which must not be read either).
+  table = rng.choice(np.concatenate([PAD_IDS, ids]), (batch, max_pages)).astype(np.int32)
+  q = rng.standard_normal((batch, heads, dim)) * q_std
+  cache = np.full((num_pages, PAGE, dim), poison, np.float32)
+  start = 0
+  for b, n in enumerate(lens):
+    pages = ids[start:start + need[b]]
+    start += need[b]
+    table[b, :need[b]] = pages
+    rows = rng.standard_normal((n, dim))
+    # A peaky row is a multiple of one head's query: a logit of 8-30 for that head, against O(1) for the rest.
+    for t in rng.choice(n, min(peaky_rows, n), replace=False):
+      h = rng.integers(heads)
+      rows[t] = q[b, h] * rng.uniform(8, 30) / (SCALE * q[b, h] @ q[b, h])
+    flat = cache[pages].reshape(-1, dim)
+    flat[:n] = rows
+    cache[pages] = flat.reshape(-1, PAGE, dim)
+  args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(cache, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens))
+  return args, num_splits, partial_dtype
+
+
+def _row_rel_l2(o, ref):
+  """Largest relative L2 error over the ``[..., Dc]`` rows (NaN anywhere gives NaN, which fails ``<``)."""
+  o = np.asarray(jnp.asarray(o, jnp.float32), np.float64)
+  return float(np.max(np.linalg.norm(o - ref, axis=-1) / np.linalg.norm(ref, axis=-1), initial=0.0))
+
+
+@budget(cpu=20, gpu=12)
+@given(drawn=decode_batches())
+def test_mla_decode_matches_reference_and_oracle(kernel_impl, drawn):
+  args, num_splits, partial_dtype = drawn
+  o_ref, lse_ref = oracle(*args, scale=SCALE)
+  live = np.asarray(args[3]) > 0
+  tol = O_REL_L2[partial_dtype]
+  results = {}
+  for impl in ("xla", kernel_impl):
+    o, lse = mla_decode(*args, scale=SCALE,
+                        config=MlaDecodeConfig(num_splits=num_splits, partial_dtype=partial_dtype, impl=impl))
+    assert o.shape == args[0].shape[:2] + (LATENT,) and o.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    o, lse = np.asarray(o.astype(jnp.float32), np.float64), np.asarray(lse)
+    assert (o[~live] == 0).all() and np.isneginf(lse[~live]).all()
+    assert _row_rel_l2(o[live], o_ref[live]) < tol, impl
+    # assert_allclose fails on a NaN against a number, and matches the -inf of empty sequences exactly.
+    np.testing.assert_allclose(lse, lse_ref, atol=LSE_ATOL, rtol=0, err_msg=impl)
+    results[impl] = o, lse
+  (o_xla, lse_xla), (o, lse) = results["xla"], results[kernel_impl]
+  assert _row_rel_l2(o[live], o_xla[live]) < tol
+  np.testing.assert_allclose(lse, lse_xla, atol=LSE_ATOL, rtol=0)
+
+
+@st.composite
+def merge_parts(draw):
+  """``(o_parts [S, R, Dc], lse_parts [S, R] f32, out_dtype)`` with empty parts, empty rows and NaN rows."""
+  parts = draw(st.integers(1, 6))
+  rows = draw(st.integers(1, 12))
+  width = draw(st.sampled_from([1, 8, 64]))
+  o_dtype = draw(st.sampled_from([jnp.float32, jnp.bfloat16]))
+  out_dtype = draw(st.sampled_from([jnp.float32, jnp.bfloat16]))
+  rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+  lse = rng.standard_normal((parts, rows)) * draw(st.sampled_from([0.5, 5.0, 40.0]))
+  lse[rng.random((parts, rows)) < draw(st.sampled_from([0.0, 0.3, 0.8]))] = -np.inf
+  lse[:, rng.random(rows) < 0.15] = -np.inf  # all-empty rows
+  lse[rng.integers(parts), rng.random(rows) < 0.1] = np.nan  # a split that met a non-finite input
+  o = rng.standard_normal((parts, rows, width))
+  o[np.isneginf(lse)] = np.nan  # the o of an empty part is not defined and must not leak
+  return jnp.asarray(o, o_dtype), jnp.asarray(lse, jnp.float32), out_dtype
+
+
+# merge_partials against the f64 merge: f32 weights exp(lse_j - max) of LSEs drawn up to a few hundred apart
+# (exp's relative error grows with the argument, a few f32 ulps here), plus half an ulp of the output dtype
+# when it is bf16. The merged LSE is max + log(sum of weights) in f32: a few ulps of LSEs up to ~200.
+MERGE_RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 2.0 ** -8}
+MERGE_ATOL = 1e-6
+MERGE_LSE_ATOL = 1e-5
+
+
+@budget(cpu=30, gpu=60)
+@given(drawn=merge_parts())
+def test_merge_partials_matches_oracle(drawn):
+  o_parts, lse_parts, out_dtype = drawn
+  o, lse = merge_partials(o_parts, lse_parts, out_dtype=out_dtype)
+  assert o.dtype == out_dtype and lse.dtype == jnp.float32
+  o_ref, lse_ref = merge_oracle(o_parts, lse_parts)
+  # NaN must stand exactly where the oracle's is (assert_allclose compares NaN only with NaN).
+  np.testing.assert_allclose(np.asarray(o.astype(jnp.float32)), o_ref, rtol=MERGE_RTOL[out_dtype], atol=MERGE_ATOL)
+  np.testing.assert_allclose(np.asarray(lse), lse_ref, rtol=1e-6, atol=MERGE_LSE_ATOL)
