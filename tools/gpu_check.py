@@ -103,19 +103,19 @@ PY = sys.executable
 PYTEST = (PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "4")
 SHARED_GPU = (("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),)
 SECTIONS = (
-    Section("gpu-tests", PYTEST + ("-m", "gpu"), 590, _pytest_summary, SHARED_GPU),
-    Section("randomized", PYTEST + ("-k", "randomized", "tests"), 590, _pytest_summary, SHARED_GPU),
-    Section("demo", (PY, "-m", "k3jax.demo"), 300, _demo_summary),
-    Section("kda-prefill", (PY, "benchmarks/kda_prefill.py", "--shapes", "0", "3", "--json", "{json}"), 400,
+    Section("gpu-tests", PYTEST + ("-m", "gpu"), 420, _pytest_summary, SHARED_GPU),
+    Section("randomized", PYTEST + ("-k", "randomized", "tests"), 300, _pytest_summary, SHARED_GPU),
+    Section("demo", (PY, "-m", "k3jax.demo"), 240, _demo_summary),
+    Section("kda-prefill", (PY, "benchmarks/kda_prefill.py", "--shapes", "0", "3", "--json", "{json}"), 300,
             _kda_prefill),
-    Section("kda-decode", (PY, "benchmarks/kda_decode.py", "--quick", "--json", "{json}"), 400, _kda_decode),
-    Section("short-conv", (PY, "benchmarks/short_conv.py", "--phases", "prefill", "--json", "{json}"), 400,
+    Section("kda-decode", (PY, "benchmarks/kda_decode.py", "--quick", "--json", "{json}"), 300, _kda_decode),
+    Section("short-conv", (PY, "benchmarks/short_conv.py", "--phases", "prefill", "--json", "{json}"), 300,
             _short_conv),
     Section("mla-decode", (PY, "benchmarks/mla_decode.py", "--batch", "32", "--context", "32768", "--heads", "16",
-                           "128", "--json", "{json}"), 400, _mla_decode),
+                           "128", "--json", "{json}"), 300, _mla_decode),
     Section("sharded-block", (PY, "benchmarks/sharded_block.py", "--devices", "1", "--experts", "16", "--seqs", "2",
                               "--prompt-len", "1024", "--context", "4096", "--decode-steps", "2", "--reps", "1",
-                              "--json", "{json}"), 400, _sharded_block),
+                              "--json", "{json}"), 300, _sharded_block),
 )
 
 
@@ -135,15 +135,17 @@ def run_section(section: Section, out: pathlib.Path) -> Result:
   env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **dict(section.env))
   t0 = time.perf_counter()
   print(f"[gpu-check] {section.name}: {' '.join(argv)}", flush=True)
-  try:
-    proc = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=section.timeout_s)
-    log, ok, why = proc.stdout, proc.returncode == 0, f"exit {proc.returncode}"
-  except subprocess.TimeoutExpired as e:
-    log = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-    ok, why = False, f"timed out after {section.timeout_s} s"
+  log_path = out / f"{section.name}.log"
+  # The log is written as the section runs, so a run cut short still leaves what it printed.
+  with open(log_path, "w") as log_file:
+    try:
+      code = subprocess.run(argv, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                            timeout=section.timeout_s).returncode
+      ok, why = code == 0, f"exit {code}"
+    except subprocess.TimeoutExpired:
+      ok, why = False, f"timed out after {section.timeout_s} s"
   seconds = time.perf_counter() - t0
-  (out / f"{section.name}.log").write_text(log)
+  log = log_path.read_text()
   try:
     summary = section.summary(log, json_path)
   except Exception as e:  # a summariser error is a failure of the section, never of the whole run
