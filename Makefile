@@ -27,7 +27,7 @@ test-gpu:
 # On a Hopper machine with the image's python3: GPU tests, randomized tests (GPU budget), the demo and each
 # benchmark's quick mode, summarised in one table (gpu-check-out/gpu-check.md). GPU_CHECK_ARGS picks sections.
 gpu-check:
-	PYTHONPATH=. python3 tools/gpu_check.py $(GPU_CHECK_ARGS)
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} python3 tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 # Re-execute every notebook from a clean kernel and store its outputs (what readers see on the code host).
 notebooks: $(STAMP)

@@ -21,18 +21,27 @@ def test_demo_passes_on_one_device(capsys):
   assert "consistency (float32, impl=xla)" in out and "MISMATCH" not in out
 
 
-def _consistency(diff, flipped) -> demo.Consistency:
-  return demo.Consistency(diff=np.asarray(diff, np.float64), scale=1.0, flipped=np.asarray(flipped, bool))
+def _consistency(diff, flipped, prompt_flipped=None) -> demo.Consistency:
+  flipped = np.asarray(flipped, bool)
+  prompt = np.zeros(len(flipped), bool) if prompt_flipped is None else np.asarray(prompt_flipped, bool)
+  return demo.Consistency(diff=np.asarray(diff, np.float64), scale=1.0, flipped=flipped, prompt_flipped=prompt)
 
 
-def test_report_consistency_excuses_only_routing_flips(capsys):
+def test_report_consistency_excuses_only_tokens_at_or_after_a_routing_flip(capsys):
   assert demo.report_consistency("t", _consistency([[0.01, 0.3]], [[False, True]]), 0.05, flips_allowed=True)
-  assert "routing flip" in capsys.readouterr().out
-  # The same error without a recorded flip, or where flips are not allowed, fails and is named.
-  assert not demo.report_consistency("t", _consistency([[0.01, 0.3]], [[False, False]]), 0.05, flips_allowed=True)
+  assert "routing flip at this token" in capsys.readouterr().out
+  # A flip reaches the later tokens of its sequence (KDA state, latent cache), not the earlier ones nor
+  # other sequences.
+  assert demo.report_consistency("t", _consistency([[0.01, 0.3, 0.2], [0.0, 0.0, 0.0]],
+                                                   [[False, True, False], [False, False, False]]), 0.05, True)
+  assert "after a routing flip earlier" in capsys.readouterr().out
+  assert not demo.report_consistency("t", _consistency([[0.3, 0.0], [0.0, 0.0]], [[False, True], [True, False]]),
+                                     0.05, flips_allowed=True)
   assert "MISMATCH" in capsys.readouterr().out
+  # A flip in the prompt (cached by the prefill the decode continues) reaches every decoded token.
+  assert demo.report_consistency("t", _consistency([[0.3, 0.2]], [[False, False]], [True]), 0.05, True)
+  # Where flips are not allowed, or with NaN, the check fails.
   assert not demo.report_consistency("t", _consistency([[0.01, 0.3]], [[False, True]]), 0.05, flips_allowed=False)
-  # NaN never passes, flipped or not.
   assert not demo.report_consistency("t", _consistency([[np.nan, 0.0]], [[True, False]]), 0.05, flips_allowed=True)
 
 

@@ -132,7 +132,9 @@ def run_section(section: Section, out: pathlib.Path) -> Result:
   json_path = out / f"{section.name}.json"
   json_path.unlink(missing_ok=True)
   argv = [a.replace("{json}", str(json_path)) for a in section.argv]
-  env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **dict(section.env))
+  # The repository first; a PYTHONPATH already set (carried wheels such as FLA) stays behind it.
+  path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+  env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", **dict(section.env))
   t0 = time.perf_counter()
   print(f"[gpu-check] {section.name}: {' '.join(argv)}", flush=True)
   log_path = out / f"{section.name}.log"
