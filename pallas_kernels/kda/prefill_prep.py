@@ -136,12 +136,14 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     beta = validf / (1.0 + jnp.exp(-beta_raw))
 
     # Gate (log2 units); rows past the chunk contribute 0 (their raw rows are finite: real tokens or
-    # TMA zero fill, so a multiply masks them). The floor changes no factor (a span over a token at the
-    # floor is below f32's smallest value either way) but keeps the chunk's cumulative sums small enough
-    # that differences of them keep their precision after an extreme token (e.g. -1e13 with a huge A_log).
+    # TMA zero fill, so a multiply masks them). An unbounded gate gets a floor: it changes no factor (a span
+    # over a token at the floor is below f32's smallest value either way) but keeps the chunk's cumulative
+    # sums small enough that differences of them keep their precision after an extreme token (e.g. -1e13
+    # with a huge A_log). A lower bound above the floor needs none, so that path has no extra op.
     plgpu.barrier_wait(bar_g.at[0])
-    g = jnp.maximum(gate(load_rows(raw_g) + bcast_cols(dtb, (C, K)), a, lower_bound)
-                    * bcast_rows(validf * LOG2E, (C, K)), GATE_FLOOR)
+    g = gate(load_rows(raw_g) + bcast_cols(dtb, (C, K)), a, lower_bound) * bcast_rows(validf * LOG2E, (C, K))
+    if lower_bound is None or lower_bound * LOG2E < GATE_FLOOR:
+      g = jnp.maximum(g, GATE_FLOOR)
     plgpu.commit_smem()  # raw_g is read in every warp before its memory takes the split gate
 
     # G[r] = sum_{s<=r} g[s] as a matmul with a lower-triangular ones matrix, g split into bf16 parts.
