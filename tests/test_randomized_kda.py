@@ -123,6 +123,19 @@ def decode_batches(draw):
   return N, S, accepted, padding, skipped
 
 
+def _decode_slots(rng: np.random.Generator, N: int, cols: int, accepted: list[int], padding: list[bool],
+                  skipped: list[list[bool]]) -> tuple[int, np.ndarray]:
+  """Pool size ``P`` (two slots more than named) and distinct slots ``[N, cols]``: -1 at padding rows' read
+  column and at skipped columns other than the read one."""
+  P = N * cols + 2
+  slots = rng.permutation(P)[:N * cols].reshape(N, cols).astype(np.int32)
+  for n in range(N):
+    for t in range(cols):
+      if padding[n] and t == accepted[n] - 1 or skipped[n][t] and t != accepted[n] - 1:
+        slots[n, t] = -1
+  return P, slots
+
+
 @budget(cpu=4, gpu=12)
 @given(batch=decode_batches(), seed=SEEDS, lower_bound=GATES, gate_kind=GATE_KINDS, spiky=st.booleans(),
        state_dtype=STATE_DTYPES)
@@ -131,12 +144,7 @@ def test_kda_decode(kernel_impl, batch, seed, lower_bound, gate_kind, spiky, sta
   rng = np.random.default_rng(seed)
   H, K = HEADS, HEAD_DIM
   cols = 1 if S is None else 1 + S
-  P = N * cols + 2
-  slots = rng.permutation(P)[:N * cols].reshape(N, cols).astype(np.int32)
-  for n in range(N):
-    for t in range(cols):
-      if padding[n] and t == accepted[n] - 1 or skipped[n][t] and t != accepted[n] - 1:
-        slots[n, t] = -1
+  P, slots = _decode_slots(rng, N, cols, accepted, padding, skipped)
   x = _raw_tokens(rng, (N, cols), H, K, K, spiky)
   A_log, dt_bias = _gate_params(rng, gate_kind, H, K)
   pool = jnp.asarray(rng.standard_normal((P, H, K, K)) / np.sqrt(K), state_dtype)
@@ -193,12 +201,7 @@ def test_short_conv_update(kernel_impl, batch, seed, dtype, pool_dtype):
   N, S, accepted, padding, skipped = batch
   rng = np.random.default_rng(seed)
   cols = 1 if S is None else 1 + S
-  P = N * cols + 2
-  slots = rng.permutation(P)[:N * cols].reshape(N, cols).astype(np.int32)
-  for n in range(N):
-    for t in range(cols):
-      if padding[n] and t == accepted[n] - 1 or skipped[n][t] and t != accepted[n] - 1:
-        slots[n, t] = -1
+  P, slots = _decode_slots(rng, N, cols, accepted, padding, skipped)
   x, weight, pool = _inputs(seed, N, cols, CONV_D, P, dtype, pool_dtype)
   squeeze = (lambda a: a[:, 0]) if S is None else (lambda a: a)
   kw = dict(conv_pool=jnp.asarray(pool), state_indices=jnp.asarray(squeeze(slots)),

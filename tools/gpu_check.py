@@ -70,24 +70,19 @@ def _ratio(row: dict, key: str, peer: str) -> str:
   return f", {row[key]:.2f}x {peer}" if row.get(key) is not None else ""
 
 
-def _kda_prefill(_: str, path: pathlib.Path) -> str:
-  return "; ".join(f"{r['shape']} {r['ours_ms']:.3f} ms, {r['roofline_frac']:.0%} of roofline"
-                   f"{_ratio(r, 'ratio', 'FLA')}" for r in _rows(path))
+def _each(fmt: Callable[[dict], str]) -> Callable[[str, pathlib.Path], str]:
+  """A benchmark summariser: ``fmt`` of every row of its JSON, joined."""
+  return lambda _, path: "; ".join(fmt(r) for r in _rows(path))
 
 
-def _kda_decode(_: str, path: pathlib.Path) -> str:
-  return "; ".join(f"N={r['N']} H={r['H']} {r['state']} {r['ours_us']:.1f} us, {r['copy_frac']:.0%} of copy"
-                   f"{_ratio(r, 'vs_fla', 'FLA')}" for r in _rows(path))
-
-
-def _short_conv(_: str, path: pathlib.Path) -> str:
-  return "; ".join(f"{r['phase']} N={r['N']} H={r['H']} {r['conv_us']:.1f} us, "
-                   f"{r['conv_xla_us'] / r['conv_us']:.2f}x XLA" for r in _rows(path))
-
-
-def _mla_decode(_: str, path: pathlib.Path) -> str:
-  return "; ".join(f"B={r['batch']} ctx={r['context']} Hq={r['heads']} {r['partial']} {r['time_us']:.1f} us, "
-                   f"{r['frac_copy']:.0%} of copy" for r in _rows(path))
+_kda_prefill = _each(lambda r: f"{r['shape']} {r['ours_ms']:.3f} ms, {r['roofline_frac']:.0%} of roofline"
+                               f"{_ratio(r, 'ratio', 'FLA')}")
+_kda_decode = _each(lambda r: f"N={r['N']} H={r['H']} {r['state']} {r['ours_us']:.1f} us, "
+                              f"{r['copy_frac']:.0%} of copy{_ratio(r, 'vs_fla', 'FLA')}")
+_short_conv = _each(lambda r: f"{r['phase']} N={r['N']} H={r['H']} {r['conv_us']:.1f} us, "
+                              f"{r['conv_xla_us'] / r['conv_us']:.2f}x XLA")
+_mla_decode = _each(lambda r: f"B={r['batch']} ctx={r['context']} Hq={r['heads']} {r['partial']} "
+                              f"{r['time_us']:.1f} us, {r['frac_copy']:.0%} of copy")
 
 
 def _sharded_block(_: str, path: pathlib.Path) -> str:
