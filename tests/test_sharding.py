@@ -233,4 +233,7 @@ def test_padded_ffn_and_vocab_contribute_exactly_zero():
   np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=2e-6)
   logits = jnp.dot(x, pad(head, (dm, 18)), precision=HIGHEST)
   assert logits.shape == (4, 18) and (np.asarray(logits[:, vocab:]) == 0).all()
-  np.testing.assert_array_equal(np.asarray(logits[:, :vocab]), np.asarray(jnp.dot(x, head, precision=HIGHEST)))
+  # The real columns are the unpadded product, up to f32 rounding: a CPU may pick another dot kernel (another
+  # summation order) for 18 columns than for 11, so they need not be bitwise equal.
+  np.testing.assert_allclose(np.asarray(logits[:, :vocab]), np.asarray(jnp.dot(x, head, precision=HIGHEST)),
+                             rtol=0, atol=1e-5)
