@@ -210,10 +210,6 @@ class K3Config:
     return self.routed_expert_hidden_size or self.hidden_size
 
   @property
-  def kda_proj_size(self) -> int:
-    return self.kda_num_heads * self.kda_head_dim
-
-  @property
   def mla_scale(self) -> float:
     """Softmax scale: ``(dn + dr) ** -0.5`` (NoPE, no YaRN term)."""
     return float(self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5

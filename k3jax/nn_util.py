@@ -1,9 +1,7 @@
 """The one way parameters are created: every ``nnx.Param`` carries its logical axis names.
 
-``k3jax.sharding`` maps logical names to mesh axes; modules never name mesh axes. Two hooks serve it:
-``param(...).get_metadata()["logical_axes"]`` on every parameter, and ``axis_resolver(fn)``, a context
-manager under which ``param`` also sets ``out_sharding=fn(names)`` (so a model built under
-``jax.set_mesh`` is born sharded through Flax's eager sharding).
+``k3jax.sharding`` maps logical names to mesh axes; modules never name mesh axes. It reads them from
+``param(...).get_metadata()["logical_axes"]``, which every parameter carries.
 
 Logical names (``None`` in a name tuple means "never sharded"):
 
@@ -18,10 +16,9 @@ Logical names (``None`` in a name tuple means "never sharded"):
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,17 +31,6 @@ LOGICAL_AXES = frozenset({
 })
 
 Init = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
-_resolvers: list[Callable[[tuple[str | None, ...]], object]] = []
-
-
-@contextlib.contextmanager
-def axis_resolver(fn: Callable[[tuple[str | None, ...]], object]) -> Iterator[None]:
-  """Within the block, ``param`` sets ``out_sharding=fn(names)`` on every parameter it creates."""
-  _resolvers.append(fn)
-  try:
-    yield
-  finally:
-    _resolvers.pop()
 
 
 def param(rngs: nnx.Rngs, init: Init, shape: Sequence[int], dtype, names: Sequence[str | None]) -> nnx.Param:
@@ -59,10 +45,7 @@ def param(rngs: nnx.Rngs, init: Init, shape: Sequence[int], dtype, names: Sequen
   unknown = [n for n in names if n is not None and n not in LOGICAL_AXES]
   if unknown:
     raise ValueError(f"names must be logical axes from {sorted(LOGICAL_AXES)} or None, got {unknown}")
-  metadata = {"logical_axes": names}
-  if _resolvers:
-    metadata["out_sharding"] = _resolvers[-1](names)
-  return nnx.Param(init(rngs.params(), shape, jnp.dtype(dtype)), **metadata)
+  return nnx.Param(init(rngs.params(), shape, jnp.dtype(dtype)), logical_axes=names)
 
 
 def logical_axes(module: nnx.Module) -> dict[str, tuple[str | None, ...]]:

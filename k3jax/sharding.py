@@ -463,19 +463,18 @@ def short_conv_update(x, weight, *, conv_pool, state_indices, num_accepted=None,
       (channels, CONV_POOL_NAMES), activation=activation, impl=impl)
 
 
-# Block sizes of the Hopper grouped matmul (``ragged_dot_mgpu``): the fastest measured on an H200 for
-# 65536 rows, 3584 -> 3072, 384 experts (9.9 ms).
+# Block sizes of the Hopper grouped matmul (``ragged_dot_mgpu``): the fastest of those timed on an H200 for
+# 65536 rows, 3584 -> 3072, 384 experts (benchmarks/RESULTS.md).
 MGPU_BLOCKS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
 # Fewest token copies (rows) for which the routed experts use the Hopper kernel. The kernel walks
 # ``cdiv(rows, block_m) + G - 1`` row tiles of full width whatever the routing (every group costs at least
 # one tile, and tiles past the groups still compute), so a matmul costs ~``(rows + block_m G) De I``
 # multiply-adds; XLA lowers ``ragged_dot`` on the GPU to a dense dot over all G experts: ``rows G De I`` and
-# a ``[rows, G, N]`` f32 product. Measured on an H200: the kernel takes 9.9 ms for 65536 rows over 384
-# experts (3584 -> 3072) where the dense path asks 288 GiB for a 4096-token prefill over 768 experts, but
-# 24 ms for a 128-row decode over 768 experts (768 tiles of one useful row each): decodes take the gather
-# or the dense path (``grouped_matmul_backend``). At 1024 rows (8 full tiles) the dense path does
-# ``rows G / (rows + block_m G)`` ~ 7-8x the kernel's multiply-adds for 96-896 local experts, and its
-# product is already ~10 GB at 768 experts.
+# a ``[rows, G, N]`` f32 product (hundreds of GiB for a long prefill over hundreds of experts). A decode of
+# a few rows over many experts would walk one tile of one useful row per expert, so decodes take the gather
+# or the dense path (``grouped_matmul_backend``; timings in benchmarks/RESULTS.md). At 1024 rows (8 full
+# tiles) the dense path does ``rows G / (rows + block_m G)`` ~ 7-8x the kernel's multiply-adds for 96-896
+# local experts.
 MGPU_MIN_ROWS = 1024
 _MGPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

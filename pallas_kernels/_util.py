@@ -4,14 +4,12 @@ Every check raises ``ValueError`` (bad input) naming the argument, what was expe
 """
 
 import functools
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-Impl = Literal["xla", "pallas", "interpret"]
 IMPLS: tuple[str, ...] = ("xla", "pallas", "interpret")
 
 

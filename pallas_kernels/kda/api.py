@@ -106,7 +106,8 @@ def kda_prefill(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta
 
   Raises:
     ValueError: bad shapes, dtypes or (for concrete index arrays) index values.
-    NotImplementedError: ``impl="pallas"/"interpret"`` before the kernel lands.
+    NotImplementedError: ``impl="pallas"/"interpret"`` with head sizes the kernel does not take (K other
+      than 64 or 128, V not a multiple of its value block).
   """
   config = KdaConfig() if config is None else config
   H, K, V, P = _check_inputs(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, config, lead_ndim=1)
@@ -150,7 +151,8 @@ def kda_decode(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_
 
   Raises:
     ValueError: bad shapes, dtypes or (for concrete index arrays) index values.
-    NotImplementedError: ``impl="pallas"/"interpret"`` before the kernel lands.
+    NotImplementedError: ``impl="pallas"/"interpret"`` with head sizes the kernel does not take (V not a
+      multiple of 64, K not a multiple of 8).
   """
   config = KdaConfig() if config is None else config
   if q.ndim not in (3, 4):

@@ -40,11 +40,10 @@ STATE_IO = ("tma", "direct16", "direct64", "direct128")
 # [DIRECT_PART, K] parts, each thread DIRECT_PART/4 rows x K/32 consecutive columns of a part.
 DIRECT_ROWS = {"direct16": 16, "direct64": 64, "direct128": 128}
 DIRECT_PART = 16
-# ``state_io=None`` on a batch of ``N * H`` heads (benchmarks/RESULTS.md, H200, K = V = 128): small blocks
-# while a small grid is latency bound (N=1 H=11: 2.5 us f32 / 1.7 bf16 with 16 rows against 4.4 / 3.3 with
-# 64), big ones once it is bandwidth bound (N=256 H=96 bf16: 484.6 us, 78% of copy, with 128 rows, 599.0
-# with 16, 649.7 on the TMA path; f32 851.3 us, 89%). Each entry is (most heads, path); beyond the last,
-# "direct128" if V allows it.
+# ``state_io=None`` on a batch of ``N * H`` heads, from the H200 timings in benchmarks/RESULTS.md (K = V =
+# 128): small blocks while a small grid is latency bound (more programs spread it over more SMs), big ones
+# once it is bandwidth bound (fewer, longer streams per SM). Each entry is (most heads, path); beyond the
+# last, "direct128" if V allows it.
 DIRECT_RULE = {jnp.dtype(jnp.float32): ((1024, "direct16"), (4096, "direct64")),
                jnp.dtype(jnp.bfloat16): ((128, "direct16"), (4096, "direct64"))}
 
