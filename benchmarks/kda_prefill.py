@@ -9,6 +9,7 @@ It also times a bf16 state pool and 1 and 4 checkpoints per sequence, and cross-
 FLA's. Results go to stdout and, as JSON, to ``--json``.
 
 Usage (on the GPU machine, FLA installed): ``PYTHONPATH=. python3 benchmarks/kda_prefill.py --json out.json``
+(``--quick --shapes 0 3``: two shapes without the bf16-state and checkpoint rows, as ``make gpu-check`` runs it)
 """
 
 import argparse
@@ -219,6 +220,7 @@ def main():
   parser.add_argument("--no-fla", action="store_true")
   parser.add_argument("--watchdog", type=float, default=500.0)
   parser.add_argument("--profile", action="store_true", help="only time the two stages separately")
+  parser.add_argument("--quick", action="store_true", help="no bf16-state and checkpoint rows (make gpu-check)")
   parser.add_argument("--shapes", type=int, nargs="+", default=list(range(len(SHAPES))),
                       help="indices into SHAPES, in the order to run them")
   args = parser.parse_args()
@@ -248,7 +250,7 @@ def main():
       best = min(t for t in (t_called, t_graph) if t is not None)
       row.update(fla_called_ms=t_called, fla_graph_ms=t_graph, ratio=best / t_ours,
                  rel_rmse_vs_fla=float(np.sqrt(np.mean((o - o_fla) ** 2)) / np.sqrt(np.mean(o_fla ** 2))))
-    if name in (SHAPES[0][0], SHAPES[2][0]):
+    if name in (SHAPES[0][0], SHAPES[2][0]) and not args.quick:
       row["bf16_state_ms"], _ = ours(x, lens, H, state_dtype=jnp.bfloat16)
       row["ckpt1_ms"], _ = ours(x, lens, H, per_seq_ckpt=1)
       row["ckpt4_ms"], _ = ours(x, lens, H, per_seq_ckpt=4)

@@ -74,7 +74,7 @@ def prefill_batches(draw):
   return lens, has, no_slot, ckpts, ck_minus_one
 
 
-@budget(cpu=4, gpu=12)
+@budget(cpu=4, gpu=8)
 @given(batch=prefill_batches(), seed=SEEDS, lower_bound=GATES, gate_kind=GATE_KINDS, spiky=st.booleans(),
        state_dtype=STATE_DTYPES)
 # Found by this test: g = -1e13 per token (A_log = 20, g_raw = 1e5) once made the kernel's chunk cumulative
@@ -136,7 +136,7 @@ def _decode_slots(rng: np.random.Generator, N: int, cols: int, accepted: list[in
   return P, slots
 
 
-@budget(cpu=4, gpu=12)
+@budget(cpu=4, gpu=8)
 @given(batch=decode_batches(), seed=SEEDS, lower_bound=GATES, gate_kind=GATE_KINDS, spiky=st.booleans(),
        state_dtype=STATE_DTYPES)
 def test_kda_decode(kernel_impl, batch, seed, lower_bound, gate_kind, spiky, state_dtype):
@@ -178,7 +178,7 @@ def conv_batches(draw):
   return lens, has, no_slot, ckpts
 
 
-@budget(cpu=4, gpu=12)
+@budget(cpu=4, gpu=8)
 @given(batch=conv_batches(), seed=SEEDS, dtype=st.sampled_from([F32, BF16]), pool_dtype=st.sampled_from([F32, BF16]))
 def test_short_conv_prefill(kernel_impl, batch, seed, dtype, pool_dtype):
   lens, has, no_slot, ckpts = batch
@@ -195,7 +195,7 @@ def test_short_conv_prefill(kernel_impl, batch, seed, dtype, pool_dtype):
   _check_prefill(ref, out, dtype=dtype, untouched=[p for p in range(P) if p not in written], pool=pool)
 
 
-@budget(cpu=4, gpu=12)
+@budget(cpu=4, gpu=8)
 @given(batch=decode_batches(), seed=SEEDS, dtype=st.sampled_from([F32, BF16]), pool_dtype=st.sampled_from([F32, BF16]))
 def test_short_conv_update(kernel_impl, batch, seed, dtype, pool_dtype):
   N, S, accepted, padding, skipped = batch

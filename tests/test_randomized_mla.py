@@ -90,7 +90,7 @@ def _row_rel_l2(o, ref):
   return float(np.max(np.linalg.norm(o - ref, axis=-1) / np.linalg.norm(ref, axis=-1), initial=0.0))
 
 
-@budget(cpu=20, gpu=12)
+@budget(cpu=20, gpu=8)
 @given(drawn=decode_batches())
 def test_mla_decode_matches_reference_and_oracle(kernel_impl, drawn):
   args, num_splits, partial_dtype = drawn
@@ -139,7 +139,7 @@ MERGE_ATOL = 1e-6
 MERGE_LSE_ATOL = 1e-5
 
 
-@budget(cpu=30, gpu=60)
+@budget(cpu=30, gpu=40)
 @given(drawn=merge_parts())
 def test_merge_partials_matches_oracle(drawn):
   o_parts, lse_parts, out_dtype = drawn

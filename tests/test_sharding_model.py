@@ -213,7 +213,8 @@ def plain_rows(cache, seq_lens, block_table):
 # LSE merge, expert-parallel partial sums): a few f32 ulps of the O(1)-O(10) logits and O(1) states. The
 # caches stay f32 here on purpose: rounding a value to bf16 turns an f32 difference of ~1e-6 into a whole
 # bf16 ulp (2^-8 relative) whenever the value lies within ~1e-6 of a rounding midpoint, which a stored
-# conv-window entry does on some CPUs' f32 dot kernels (the next decode's logits then differ by ~2e-3). bf16: the sharded run
+# conv-window entry does on some CPUs' f32 dot kernels (the next decode's logits then differ by ~2e-3).
+# bf16: the sharded run
 # rounds each device's MLA partial to bf16 where one device rounds its single split (an O(2^-9) relative
 # change of the attention output, measured 8.5e-3 on logits of 3.6), a state entry may round to the
 # neighbouring bf16 value (one ulp of |state| < 2 is 2^-7), and a cached latent or conv-window entry to its
