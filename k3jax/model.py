@@ -21,7 +21,8 @@ from k3jax.config import KDA, PAGE_SIZE, K3Config
 from k3jax.layers.attn_res import AttnResSite
 from k3jax.layers.kda import KdaLayer
 from k3jax.layers.mla import MlaLayer
-from k3jax.layers.mlp import MLP, MoE
+from k3jax.layers.mlp import MLP
+from k3jax.layers.moe import MoE
 from k3jax.layers.norms import RMSNorm
 from pallas_kernels import _util
 from pallas_kernels.kda import checks

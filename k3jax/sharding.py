@@ -18,10 +18,9 @@ parallelism (DCP) share it, as vLLM's ``-tp N -dcp N``:
   all-to-all in ``partial_dtype``.
 - KDA: every per-head tensor (projections, conv taps, ``A_log``, ``dt_bias``, the state pool and the conv
   pool) is split by heads; the ops run per device (``kda_prefill`` ... drop-ins), states never move.
-- MoE: expert parallel. Router and experts are split by experts (``routed_experts``: each device runs its
-  experts, one psum of ``[T, De]``; ``jax.lax.ragged_dot``, the Hopper grouped matmul ``ragged_dot_mgpu`` for
-  large bf16 prefills under ``impl="pallas"``, or a per-copy gather for decodes over many experts); shared
-  experts and the dense MLP are split by FFN width.
+- MoE: expert parallel. Router and experts are split by experts (``k3jax.layers.moe.routed_experts``: each
+  device runs its experts, one psum of ``[T, De]``); shared experts and the dense MLP are split by FFN
+  width.
 - Vocabulary split in the embedding and the LM head; the logits are replicated at the end.
 
 The axis type is ``Auto``. The model modules carry logical names but no shardings; with ``Auto`` the
@@ -38,7 +37,6 @@ zero FFN columns, dropped vocab rows).
 import collections
 from collections.abc import Callable, Sequence
 import dataclasses
-import functools
 import math
 import re
 
@@ -46,13 +44,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from k3jax import cache as cache_lib
 from k3jax.cache import KdaState, ModelCache
 from k3jax.config import KDA, MLA
-from pallas_kernels import _interpret, _util
+from pallas_kernels import _util
 from pallas_kernels.kda import api as kda_ops
 from pallas_kernels.kda import short_conv
 
@@ -461,179 +458,6 @@ def short_conv_update(x, weight, *, conv_pool, state_indices, num_accepted=None,
       x=(x, channels), weight=(weight, ("kda_heads", None)), conv_pool=(conv_pool, CONV_POOL_NAMES),
       state_indices=(state_indices, None), num_accepted=(num_accepted, None)),
       (channels, CONV_POOL_NAMES), activation=activation, impl=impl)
-
-
-# Block sizes of the Hopper grouped matmul (``ragged_dot_mgpu``): the fastest of those timed on an H200 for
-# 65536 rows, 3584 -> 3072, 384 experts (benchmarks/RESULTS.md).
-MGPU_BLOCKS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
-# Fewest token copies (rows) for which the routed experts use the Hopper kernel. The kernel walks
-# ``cdiv(rows, block_m) + G - 1`` row tiles of full width whatever the routing (every group costs at least
-# one tile, and tiles past the groups still compute), so a matmul costs ~``(rows + block_m G) De I``
-# multiply-adds; XLA lowers ``ragged_dot`` on the GPU to a dense dot over all G experts: ``rows G De I`` and
-# a ``[rows, G, N]`` f32 product (hundreds of GiB for a long prefill over hundreds of experts). A decode of
-# a few rows over many experts would walk one tile of one useful row per expert, so decodes take the gather
-# or the dense path (``grouped_matmul_backend``; timings in benchmarks/RESULTS.md). At 1024 rows (8 full
-# tiles) the dense path does ``rows G / (rows + block_m G)`` ~ 7-8x the kernel's multiply-adds for 96-896
-# local experts.
-MGPU_MIN_ROWS = 1024
-_MGPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-# Rows per gathered weight block of the ``"gather"`` backend: its temporary is ``GATHER_ROWS`` experts'
-# weights (16 x 3584 x 3072 bf16 = 352 MB at K3 widths).
-GATHER_ROWS = 16
-
-
-def grouped_matmul_backend(impl: str, dtype, rows: int, widths: Sequence[int], experts: int) -> str:
-  """Which grouped matmul runs the routed experts: ``"mgpu"``, ``"gather"`` or ``"xla"``.
-
-  ``"mgpu"`` (the Hopper Pallas kernel ``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``) needs all of:
-  ``impl`` is ``"pallas"`` (or ``"interpret"``: the same kernel in Mosaic GPU interpret mode), ``dtype`` is
-  bfloat16 or float16 (the kernel multiplies operands of one 16-bit dtype), ``rows >= MGPU_MIN_ROWS`` (see
-  there) and every width divides by ``block_k`` and by ``block_n * grid_block_n`` of ``MGPU_BLOCKS`` (each
-  width is the contraction of one expert matmul and the output of another).
-
-  Otherwise ``"gather"`` when ``rows < experts`` (a decode over many experts): each row is multiplied by its
-  own expert's weights, gathered ``GATHER_ROWS`` rows at a time, so a matmul reads at most ``rows`` experts'
-  weights; XLA's ``ragged_dot`` on the GPU is a dense dot over all ``experts`` (it reads every expert's
-  weights, and its autotuner asked 18 GiB for a 128-row decode over 880 experts on an H200). Else
-  ``"xla"``: ``jax.lax.ragged_dot``.
-
-  Args:
-    impl: the model's kernel backend (``K3Config.impl``).
-    dtype: the compute dtype of the expert matmuls.
-    rows: token copies per device (``T * k``: every device sees all copies).
-    widths: the expert widths ``(De, I)``.
-    experts: the experts of one device (``E / N`` on a mesh of N).
-
-  Raises:
-    ValueError: ``impl`` is not one of ``_util.IMPLS``, or ``rows`` or ``experts`` is not an int >= 0.
-  """
-  if impl not in _util.IMPLS:
-    raise ValueError(f"impl must be one of {_util.IMPLS}, got {impl!r}")
-  for name, value in (("rows", rows), ("experts", experts)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-      raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-  b = MGPU_BLOCKS
-  fits = all(w % b["block_k"] == 0 and w % (b["block_n"] * b["grid_block_n"]) == 0 for w in widths)
-  if impl != "xla" and jnp.dtype(dtype) in _MGPU_DTYPES and rows >= MGPU_MIN_ROWS and fits:
-    return "mgpu"
-  return "gather" if rows < experts else "xla"
-
-
-def _grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, row_group: jax.Array,
-                    backend: str) -> jax.Array:
-  """Rows ``[M, K]`` times their group's ``rhs [G, K, N]``: f32, or ``lhs.dtype`` for ``"mgpu"``.
-
-  ``group_sizes [G]`` counts the rows of each group (in order); ``row_group [M]`` is each row's group,
-  clipped to ``[0, G)`` (``"gather"`` reads it). All accumulate in f32. Rows past ``sum(group_sizes)`` are
-  zero (``"xla"``), a product with the last group (``"gather"``) or unwritten garbage, possibly NaN
-  (``"mgpu"``); either way a row of the result depends on that row of ``lhs`` only.
-  """
-  if backend == "mgpu":
-    return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes, **MGPU_BLOCKS)
-  if backend == "gather":
-    return jax.lax.map(lambda r: jnp.dot(r[0], rhs[r[1]], preferred_element_type=jnp.float32),
-                       (lhs, row_group), batch_size=GATHER_ROWS)
-  return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
-
-
-# Under expert parallelism each device computes the copies routed to its experts: ``rows / shards`` of the
-# ``rows = T * k`` copies when routing is balanced. The Hopper kernel and the gather walk every row of their
-# (static) operand, so a device first tries a static share of ``EP_ROW_HEADROOM * rows / shards`` rows (rounded up to
-# whole row tiles) and falls back, at run time, to all rows when more copies came its way: never a dropped copy.
-EP_ROW_HEADROOM = 1.25
-
-
-def share_rows(rows: int, shards: int, block: int) -> int:
-  """Rows of one device's static share (see ``EP_ROW_HEADROOM``): a multiple of ``block``, at most ``rows``."""
-  share = math.ceil(rows * EP_ROW_HEADROOM / shards)
-  return min(rows, -(-share // block) * block)
-
-
-def _experts_on(x, experts, weights, w1, w3, w2, *, first, act, dtype, backend, interpret, shards=1):
-  """The token copies routed to experts ``[first, first + E_local)`` through them, weighted; ``[T, De]`` f32.
-
-  Copies routed elsewhere sort after the last group, so the grouped matmuls do not compute them; their rows
-  (zero, or garbage from the Hopper kernel) are replaced by zeros before the scatter-add mixes rows. With
-  the Hopper kernel or the gather on ``shards > 1`` devices, the first ``share_rows`` sorted rows run when
-  the local copies fit there (the usual case), all rows otherwise.
-  """
-  t, k = experts.shape
-  num_local = w1.shape[0]
-  local = experts.reshape(-1) - first
-  mine = (local >= 0) & (local < num_local)
-  group = jnp.where(mine, local, num_local)
-  order = jnp.argsort(group, stable=True)
-  group_sizes = jnp.bincount(group, length=num_local + 1)[:num_local].astype(jnp.int32)
-
-  x, w1, w3, w2 = (a.astype(dtype) for a in (x, w1, w3, w2))  # once, outside the branches below
-
-  def first_rows(rows):
-    copy = order[:rows]
-    matmul = functools.partial(_grouped_matmul, group_sizes=group_sizes,
-                               row_group=jnp.minimum(group[copy], num_local - 1), backend=backend)
-    token = copy // k
-    xs = x[token]
-    with _interpret.interpret_mode(interpret):
-      gate, up = matmul(xs, w1), matmul(xs, w3)
-      h = act(gate.astype(jnp.float32), up.astype(jnp.float32)).astype(dtype)
-      y = matmul(h, w2).astype(jnp.float32)
-    # A select, not a product with the mask: 0 * NaN would carry a garbage row into the sum.
-    y = jnp.where(mine[copy][:, None], y * weights.reshape(-1)[copy][:, None], 0.0)
-    return jnp.zeros((t, x.shape[-1]), jnp.float32).at[token].add(y)
-
-  share = share_rows(t * k, shards, MGPU_BLOCKS["block_m"] if backend == "mgpu" else GATHER_ROWS)
-  if backend == "xla" or share == t * k:
-    return first_rows(t * k)
-  return jax.lax.cond(group_sizes.sum() <= share, lambda: first_rows(share), lambda: first_rows(t * k))
-
-
-def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w1: jax.Array, w3: jax.Array,
-                   w2: jax.Array, *, act: Callable, dtype, impl: str = "xla") -> jax.Array:
-  """Weighted sum of each token's routed experts, expert parallel on the ambient mesh.
-
-  Each device runs its ``E / N`` experts on the token copies routed to them, and one ``psum`` of the
-  ``[T, De]`` f32 partial sums combines the devices: neither the expert weights nor the ``[T * k, I]``
-  intermediates cross devices. Without a mesh all experts run in place.
-
-  The three grouped matmuls (gate, up, down) run as ``grouped_matmul_backend(impl, dtype, T * k, (De, I),
-  E / N)`` says: ``jax.lax.ragged_dot`` (``"xla"``), each row times its gathered expert (``"gather"``, a
-  decode over many experts) or the Hopper Pallas kernel ``ragged_dot_mgpu`` (``"mgpu"``, large bf16
-  prefills). All accumulate in f32; they differ in what they hand on. ``"xla"`` and ``"gather"``: gate and up
-  in f32, the activation in f32, rounded to ``dtype`` once for the down matmul, whose f32 output is weighted
-  and summed in f32. ``"mgpu"``: the kernel writes ``dtype``, so gate and up are rounded to ``dtype`` before
-  the (f32) activation, and each copy's down output ``y`` is rounded to ``dtype`` before the f32 weighting and
-  sum: two more roundings per copy (relative <= 2^-9 each in bf16), not accumulated over the contractions.
-  The kernel and the gather walk every row of their operand (the kernel's tiles past the groups compute into
-  rows it does not write), so on a mesh each device hands them only a static share of the sorted copies
-  (``share_rows``), or all of them when more than that share was routed to its experts.
-
-  Args:
-    x: ``[T, De]`` expert inputs (replicated). experts: ``[T, k]`` int32 ids. weights: ``[T, k]`` f32.
-    w1, w3: ``[E, De, I]`` gate and up weights. w2: ``[E, I, De]`` down weights (split by experts).
-    act: ``act(gate, up)`` on f32 ``[M, I]`` -> f32 (the gated activation).
-    dtype: compute dtype of the grouped matmuls (f32 accumulation).
-    impl: the model's kernel backend (``K3Config.impl``); ``"interpret"`` runs the Hopper kernel in
-      Mosaic GPU interpret mode (on the CPU, also on a mesh).
-
-  Returns:
-    ``[T, De]`` f32, replicated.
-  """
-  mesh = ambient_mesh()
-  shards = 1 if mesh is None else mesh.shape[MODEL]
-  backend = grouped_matmul_backend(impl, dtype, experts.size, w1.shape[1:], w1.shape[0] // shards)
-  run = functools.partial(_experts_on, act=act, dtype=dtype, backend=backend, interpret=impl == "interpret")
-  if mesh is None:
-    return run(x, experts, weights, w1, w3, w2, first=0)
-
-  def local(x, experts, weights, w1, w3, w2):
-    first = jax.lax.axis_index(MODEL) * w1.shape[0]
-    return jax.lax.psum(run(x, experts, weights, w1, w3, w2, first=first, shards=shards), MODEL)
-
-  stacked = ("experts", None, None)
-  return shard_kernel(local, (None, None, None, stacked, stacked, stacked), None, mesh)(
-      x, experts, weights, w1, w3, w2)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,8 @@ from k3jax.cache import SlotAllocator, init_cache
 from k3jax.layers.attn_res import AttnResSite
 from k3jax.layers.kda import KdaLayer
 from k3jax.layers.mla import MlaLayer
-from k3jax.layers.mlp import MLP, MoE
+from k3jax.layers.mlp import MLP
+from k3jax.layers.moe import MoE
 from k3jax.layers.norms import RMSNorm
 from pallas_kernels.kda import short_conv
 

@@ -17,13 +17,14 @@ from flax import nnx
 from k3jax import config as cfg_lib
 from k3jax import sharding
 from k3jax.cache import init_cache
-from k3jax.layers.mlp import MoE
+from k3jax.layers import moe
+from k3jax.layers.moe import MoE
 from k3jax.model import KimiK3Model
 from pallas_kernels import _interpret
 
 BF16 = jnp.bfloat16
-BLOCK = sharding.MGPU_BLOCKS["block_n"]  # 128: the widths below divide by it and by block_k
-ROWS = sharding.MGPU_MIN_ROWS
+BLOCK = moe.MGPU_BLOCKS["block_n"]  # 128: the widths below divide by it and by block_k
+ROWS = moe.MGPU_MIN_ROWS
 
 
 @pytest.mark.parametrize("impl, dtype, rows, widths, experts, want", [
@@ -42,7 +43,7 @@ ROWS = sharding.MGPU_MIN_ROWS
     ("xla", BF16, 880, (3584, 3072), 880, "xla"),
 ])
 def test_backend_selection(impl, dtype, rows, widths, experts, want):
-  assert sharding.grouped_matmul_backend(impl, dtype, rows, widths, experts) == want
+  assert moe.grouped_matmul_backend(impl, dtype, rows, widths, experts) == want
 
 
 @pytest.mark.parametrize("impl, rows, experts, match", [
@@ -50,7 +51,7 @@ def test_backend_selection(impl, dtype, rows, widths, experts, want):
     ("pallas", ROWS, -8, "experts must be"), ("pallas", ROWS, True, "experts must be")])
 def test_backend_selection_rejects_bad_input(impl, rows, experts, match):
   with pytest.raises(ValueError, match=match):
-    sharding.grouped_matmul_backend(impl, BF16, rows, (128, 128), experts)
+    moe.grouped_matmul_backend(impl, BF16, rows, (128, 128), experts)
 
 
 def _silu_gate(g, u):
@@ -94,7 +95,7 @@ def test_rows_past_the_groups_are_left_unwritten():
   lhs = jnp.asarray(rng.standard_normal((256, BLOCK)), BF16)
   rhs = jnp.asarray(rng.standard_normal((2, BLOCK, BLOCK)), BF16)
   with _interpret.interpret_mode():
-    out = np.asarray(sharding._grouped_matmul(lhs, rhs, jnp.asarray([70, 60], jnp.int32), None, "mgpu"), np.float32)
+    out = np.asarray(moe._grouped_matmul(lhs, rhs, jnp.asarray([70, 60], jnp.int32), None, "mgpu"), np.float32)
   assert np.isnan(out[130:]).all() and not np.isnan(out[:130]).any()
 
 
@@ -113,11 +114,11 @@ def test_expert_shares_match_the_oracle(kernel_impl, backend, skewed):
   if skewed:
     rng = np.random.default_rng(3)
     p["experts"] = jnp.asarray(np.stack([rng.permutation(4) for _ in range(ROWS // 4)]), jnp.int32)
-  assert sharding.share_rows(ROWS, 2, BLOCK) == sharding.share_rows(ROWS, 2, sharding.GATHER_ROWS) == 640
+  assert moe.share_rows(ROWS, 2, BLOCK) == moe.share_rows(ROWS, 2, moe.GATHER_ROWS) == 640
   args = [p[n] for n in ("x", "experts", "weights")]
   halves = []
   for first in (0, 4):
-    run = jax.jit(functools.partial(sharding._experts_on, act=_silu_gate, dtype=BF16, backend=backend,
+    run = jax.jit(functools.partial(moe._experts_on, act=_silu_gate, dtype=BF16, backend=backend,
                                     interpret=kernel_impl == "interpret", shards=2, first=first))
     weights = [p[w][first:first + 4] for w in ("w1", "w3", "w2")]
     jaxpr = str(jax.make_jaxpr(run)(*args, *weights))
@@ -127,7 +128,7 @@ def test_expert_shares_match_the_oracle(kernel_impl, backend, skewed):
     assert not np.isnan(np.asarray(half)).any()
   want = _oracle(**p)
   _check(halves[0] + halves[1], want)
-  xla = jax.jit(functools.partial(sharding.routed_experts, act=_silu_gate, dtype=BF16, impl="xla"))
+  xla = jax.jit(functools.partial(moe.routed_experts, act=_silu_gate, dtype=BF16, impl="xla"))
   _check(xla(*args, p["w1"], p["w3"], p["w2"]), want)
 
 
@@ -141,7 +142,7 @@ def test_expert_parallel_on_a_mesh_through_the_kernel(kernel_impl):
     pytest.skip("needs 2 devices")
   p = _problem(t=ROWS // 4, k=4, e=8, de=BLOCK, i=BLOCK, seed=2)
   with jax.set_mesh(sharding.make_mesh(2)):
-    run = jax.jit(functools.partial(sharding.routed_experts, act=_silu_gate, dtype=BF16, impl=kernel_impl))
+    run = jax.jit(functools.partial(moe.routed_experts, act=_silu_gate, dtype=BF16, impl=kernel_impl))
     args = (p["x"], p["experts"], p["weights"], p["w1"], p["w3"], p["w2"])
     assert "cond[" in str(jax.make_jaxpr(run)(*args))
     got = run(*args)
@@ -156,13 +157,13 @@ def test_decode_over_many_experts_gathers(mesh_devices):
     pytest.skip(f"needs {mesh_devices} devices")
   p = _problem(t=16, k=4, e=160, de=BLOCK, i=BLOCK, seed=4)
   args = [p[n] for n in ("x", "experts", "weights", "w1", "w3", "w2")]
-  assert sharding.share_rows(64, 2, sharding.GATHER_ROWS) == 48
+  assert moe.share_rows(64, 2, moe.GATHER_ROWS) == 48
   on_mesh = jax.set_mesh(sharding.make_mesh(mesh_devices)) if mesh_devices else contextlib.nullcontext()
   got = {}
   # Full f32 products also on a GPU (whose default f32 matmul may round operands to TF32).
   with on_mesh, jax.default_matmul_precision("highest"):
     for dtype in (jnp.float32, BF16):
-      run = jax.jit(functools.partial(sharding.routed_experts, act=_silu_gate, dtype=dtype, impl="pallas"))
+      run = jax.jit(functools.partial(moe.routed_experts, act=_silu_gate, dtype=dtype, impl="pallas"))
       jaxpr = str(jax.make_jaxpr(run)(*args))
       assert "ragged_dot" not in jaxpr and ("cond[" in jaxpr) == bool(mesh_devices)
       got[dtype] = np.asarray(run(*args), np.float64)
@@ -170,7 +171,7 @@ def test_decode_over_many_experts_gathers(mesh_devices):
   # bf16-valued operands, f32 products and sums: f32 rounding only.
   np.testing.assert_allclose(got[jnp.float32], _oracle(**p), rtol=1e-5, atol=1e-5 * np.abs(got[jnp.float32]).max())
   # The same bf16 rounding of the activation as ragged_dot; the sums differ in order only.
-  want = jax.jit(functools.partial(sharding._experts_on, act=_silu_gate, dtype=BF16, backend="xla", interpret=False,
+  want = jax.jit(functools.partial(moe._experts_on, act=_silu_gate, dtype=BF16, backend="xla", interpret=False,
                                    first=0))(*args)
   np.testing.assert_allclose(got[BF16], np.asarray(want, np.float64), rtol=1e-3, atol=1e-3 * np.abs(want).max())
 
@@ -178,7 +179,7 @@ def test_decode_over_many_experts_gathers(mesh_devices):
 @pytest.mark.parametrize("rows, shards, want", [(1024, 2, 640), (1024, 1, 1024), (1024, 9, 256), (100, 9, 100),
                                                 (262144, 8, 40960)])
 def test_share_rows(rows, shards, want):
-  assert sharding.share_rows(rows, shards, BLOCK) == want
+  assert moe.share_rows(rows, shards, BLOCK) == want
 
 
 @pytest.mark.slow
@@ -207,7 +208,7 @@ def test_lowers_for_cuda(mesh_devices):
   if mesh_devices and len(jax.devices()) < mesh_devices:
     pytest.skip(f"needs {mesh_devices} devices")
   on_mesh = jax.set_mesh(sharding.make_mesh(mesh_devices)) if mesh_devices else contextlib.nullcontext()
-  f = jax.jit(functools.partial(sharding.routed_experts, act=_silu_gate, dtype=BF16, impl="pallas"))
+  f = jax.jit(functools.partial(moe.routed_experts, act=_silu_gate, dtype=BF16, impl="pallas"))
   for t, want in ((2048 // 4, 6 if mesh_devices else 3), (16, 0)):
     p = _problem(t=t, k=4, e=8, de=2 * BLOCK, i=2 * BLOCK)
     with on_mesh:
@@ -232,8 +233,8 @@ def test_model_prefill_with_the_kernel_matches_ragged_dot(monkeypatch):
   tokens = jnp.asarray(np.random.default_rng(6).integers(0, cfg.vocab_size, 256), jnp.int32)
   cu = jnp.asarray([0, 256], jnp.int32)
   logits = {}
-  for name, min_rows in (("mgpu", sharding.MGPU_MIN_ROWS), ("xla", 1 << 40)):
-    monkeypatch.setattr(sharding, "MGPU_MIN_ROWS", min_rows)
+  for name, min_rows in (("mgpu", moe.MGPU_MIN_ROWS), ("xla", 1 << 40)):
+    monkeypatch.setattr(moe, "MGPU_MIN_ROWS", min_rows)
     graph, state = nnx.split(model)
     run = jax.jit(lambda s, t, c, cache, g=graph: nnx.merge(g, s).prefill(t, c, cache)[0])
     cache = init_cache(cfg, 1, 256)

@@ -69,7 +69,6 @@ def _prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, cu_seqlens, state_pool, s
              has_initial_state, checkpoint_indptr, checkpoint_offsets, checkpoint_slots, *, config: KdaConfig,
              interpret: bool):
   T, H, K = q.shape
-  V = v.shape[-1]
   N = state_indices.shape[0]
   scale = K ** -0.5 if config.scale is None else config.scale
   # The kernels read 16-bit q/k/v (their matmul operands are bf16 anyway); 4-byte inputs are narrowed here
