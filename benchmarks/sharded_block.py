@@ -14,7 +14,7 @@ One run = one mesh (all visible devices, or the first ``--devices n``):
     real 32K context; the logits are not those of any text.
 
 Parameters come from the model's own initialisers, jitted with the parameter shardings as outputs (threefry
-is partitionable, so the values do not depend on the mesh), then padded like ``k3jax.sharding.pad_model``:
+is partitionable, so the values do not depend on the mesh), then padded like ``k3jax.padding.pad_model``:
 every device count runs the same weights, prompts, cache and decode tokens, and ``--save`` / ``--compare``
 check the logits across device counts. ``--compare`` takes the run's sizes (and ``--dtype``) from the reference.
 
@@ -69,7 +69,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3jax
-from k3jax import dcp, demo, sharding
+from k3jax import dcp, demo, padding, sharding
 from k3jax.cache import KdaState, ModelCache
 
 # Per --dtype, relative to the reference's largest logit. The sharded run does the same ops in other reduction
@@ -117,24 +117,24 @@ def block_config(args: argparse.Namespace) -> k3jax.K3Config:
 
 
 def init_model(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, seed: int,
-               compiler_options: dict | None = None) -> tuple[k3jax.KimiK3Model, sharding.PaddingPlan]:
+               compiler_options: dict | None = None) -> tuple[k3jax.KimiK3Model, padding.PaddingPlan]:
   """``sharding.shard_model(KimiK3Model(cfg, rngs=nnx.Rngs(seed)), mesh)``, without a host copy of large weights.
 
   Up to ``HOST_INIT_BYTES`` of parameters: exactly that (the initialisers draw on the host). Larger: the
   initialisers run under ``jax.jit`` (``jax.random``, partitionable threefry) with the parameter shardings
-  as outputs, each parameter padded by ``sharding.pad_param``, so K3's 125 GB never pass through
+  as outputs, each parameter padded by ``padding.pad_param``, so K3's 125 GB never pass through
   the host or one device. Either way the real entries do not depend on the mesh.
   """
   abstract = nnx.eval_shape(lambda: k3jax.KimiK3Model(cfg, rngs=nnx.Rngs(seed)))
   if sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(abstract))) <= HOST_INIT_BYTES:
     return sharding.shard_model(k3jax.KimiK3Model(cfg, rngs=nnx.Rngs(seed)), mesh)
-  plan = sharding.PaddingPlan.for_config(cfg, sharding.mesh_size(mesh))
+  plan = padding.PaddingPlan.for_config(cfg, sharding.mesh_size(mesh))
   abstract = nnx.eval_shape(lambda: k3jax.KimiK3Model(plan.config(cfg), rngs=nnx.Rngs(seed)))
   graphdef, target = nnx.split(abstract)
   shapes = {path: var.shape for path, var in nnx.to_flat_state(target)}
 
   def pad(path, var):
-    return sharding.pad_param(str(path[-1]), var.get_value(), shapes[path])
+    return padding.pad_param(str(path[-1]), var.get_value(), shapes[path])
 
   init = jax.jit(lambda: nnx.map_state(pad, nnx.state(k3jax.KimiK3Model(cfg, rngs=nnx.Rngs(seed)))),
                  out_shardings=sharding.tree_shardings(mesh, sharding.param_specs(abstract)),
@@ -208,7 +208,7 @@ def fit_experts(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Nam
     ValueError: not even ``EXPERT_MULTIPLE`` experts fit (the message gives the numbers).
   """
   n = sharding.mesh_size(mesh)
-  plan = sharding.PaddingPlan.for_config(cfg, n)
+  plan = padding.PaddingPlan.for_config(cfg, n)
   model = nnx.eval_shape(lambda: k3jax.KimiK3Model(plan.config(cfg), rngs=nnx.Rngs(0)))
   step = sharding.jit_model_step(model, mesh, vocab_size=cfg.vocab_size, compiler_options=compiler_options)
   params = _param_bytes(model, mesh)

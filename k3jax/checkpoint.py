@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from k3jax import padding
 from k3jax import sharding as sharding_lib
 from k3jax.config import KDA, K3Config, read_json
 from k3jax.model import KimiK3Model
@@ -465,11 +466,11 @@ class _Source:
 
 
 def _padded_block(source: _Source, index: tuple, padded: tuple[int, ...], name: str, dtype) -> np.ndarray:
-  """Block ``index`` of padded parameter ``name``: real values in front, ``sharding.pad_param``'s fill after."""
+  """Block ``index`` of padded parameter ``name``: real values in front, ``padding.pad_param``'s fill after."""
   real = source.rule.shape
   want = [idx.indices(p)[:2] for idx, p in zip(index, padded)]
   bounds = [(min(a, r), min(b, r)) for (a, b), r in zip(want, real)]
-  blk = sharding_lib.pad_param(name, source.block(bounds), [b - a for a, b in want])
+  blk = padding.pad_param(name, source.block(bounds), [b - a for a, b in want])
   return np.ascontiguousarray(blk.astype(dtype))
 
 
@@ -544,7 +545,7 @@ def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, conf
   ckpt = _Checkpoint(path, check_finite)
   expected = _expected_tensors(rules, prefix, mxfp4)
   _check_tensors(ckpt, expected, fmt)
-  plan = sharding_lib.PaddingPlan.for_config(cfg, 1 if mesh is None else sharding_lib.mesh_size(mesh))
+  plan = padding.PaddingPlan.for_config(cfg, 1 if mesh is None else sharding_lib.mesh_size(mesh))
   graphdef, state, flat = _abstract_params(plan.config(cfg))
   by_path = {r.path: r for r in rules}
   bar = _Progress(ckpt, len(flat), expected, progress)

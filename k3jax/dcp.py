@@ -103,7 +103,7 @@ def dcp_mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array
 
   Args:
     q_abs: ``[B, Hq, Dc + Dr]`` absorbed queries, split over heads (``Hq`` a multiple of the mesh size;
-      pad heads with ``sharding.PaddingPlan``).
+      pad heads with ``padding.PaddingPlan``).
     kv_cache: ``[N * P, 64, Dc + Dr]`` DCP latent cache, split over pages.
     block_table: ``[B, max_pages]`` int32 local page ids, the same on every device.
     seq_lens: ``[B]`` int32 global tokens per sequence, in ``[0, N * max_pages * 64]``.

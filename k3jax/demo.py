@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 import k3jax
-from k3jax import sharding
+from k3jax import padding, sharding
 
 CPU_DEVICES = 9
 PROMPT_LENS = (5, 9, 3)
@@ -73,7 +73,7 @@ class Run:
   """One prefill + decode run.
 
   Attributes:
-    mesh: the mesh it ran on. plan: its ``sharding.PaddingPlan``. cfg: the (padded) config it ran.
+    mesh: the mesh it ran on. plan: its ``padding.PaddingPlan``. cfg: the (padded) config it ran.
     step: the jitted ``sharding.ModelStep``.
     logits: f32 prefill logits ``[T, vocab]`` then one ``[N, vocab]`` per decode step.
     fed: ``[N, DECODE_STEPS]`` int32 token fed to each decode step.
@@ -84,7 +84,7 @@ class Run:
   """
 
   mesh: jax.sharding.Mesh
-  plan: sharding.PaddingPlan
+  plan: padding.PaddingPlan
   cfg: k3jax.K3Config
   step: sharding.ModelStep
   logits: list[np.ndarray]
@@ -266,7 +266,7 @@ def report_consistency(label: str, c: Consistency, tolerance: float, flips_allow
   return ok
 
 
-def fmt_padding(plan: sharding.PaddingPlan) -> str:
+def fmt_padding(plan: padding.PaddingPlan) -> str:
   """The padding a plan applies, e.g. ``"num_attention_heads 4->9, ..."`` (``"none"``)."""
   return ", ".join(f"{field} {r}->{p}" for field, (r, p) in plan.applied.items()) or "none"
 

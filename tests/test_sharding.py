@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from k3jax import nn_util, sharding
+from k3jax import nn_util, padding, sharding
 from k3jax.config import preset
 
 M = sharding.MODEL
@@ -84,41 +84,41 @@ def test_shard_kernel():
 @pytest.mark.parametrize("n, m, want", [(96, 9, 99), (896, 9, 900), (163840, 9, 163845), (33792, 9, 33795),
                                         (3072, 9, 3078), (96, 8, 96), (5, 1, 5), (0, 9, 0)])
 def test_pad_to_multiple(n, m, want):
-  assert sharding.pad_to_multiple(n, m) == want
+  assert padding.pad_to_multiple(n, m) == want
 
 
 def test_padding_plan_and_pad_param():
   cfg = preset("kimi_linear_48b", impl="xla")
-  plan = sharding.PaddingPlan.for_config(cfg, 9)
+  plan = padding.PaddingPlan.for_config(cfg, 9)
   # One shared expert: its width is moe_intermediate_size itself, so that pads to a multiple of 9 too.
   assert plan.applied == {"num_attention_heads": (32, 36), "kda_num_heads": (32, 36), "num_experts": (256, 261),
                           "vocab_size": (163840, 163845), "moe_intermediate_size": (1024, 1026)}
   assert plan.real("vocab_size") == 163840 and plan.padded("intermediate_size") == 9216
   padded = plan.config(cfg)
   assert (padded.num_attention_heads, padded.num_experts, padded.hidden_size) == (36, 261, cfg.hidden_size)
-  assert sharding.PaddingPlan.for_config(cfg, 2).applied == {}
-  assert sharding.PaddingPlan.for_config(cfg, 1).applied == {}
+  assert padding.PaddingPlan.for_config(cfg, 2).applied == {}
+  assert padding.PaddingPlan.for_config(cfg, 1).applied == {}
   w = np.arange(6.0, dtype=np.float32).reshape(2, 3)
-  np.testing.assert_array_equal(sharding.pad_param("kernel", w, (2, 5)), [[0, 1, 2, 0, 0], [3, 4, 5, 0, 0]])
-  bias = sharding.pad_param("e_score_correction_bias", np.zeros(7, np.float32), (9,))
+  np.testing.assert_array_equal(padding.pad_param("kernel", w, (2, 5)), [[0, 1, 2, 0, 0], [3, 4, 5, 0, 0]])
+  bias = padding.pad_param("e_score_correction_bias", np.zeros(7, np.float32), (9,))
   assert bias.dtype == np.float32 and np.isneginf(bias[7:]).all() and (bias[:7] == 0).all()
-  assert sharding.pad_param("kernel", w, (2, 3)) is w  # nothing grows: no copy of a large checkpoint block
-  empty = sharding.pad_param("e_score_correction_bias", np.zeros(0, np.float32), (2,))  # a block of padding only
+  assert padding.pad_param("kernel", w, (2, 3)) is w  # nothing grows: no copy of a large checkpoint block
+  empty = padding.pad_param("e_score_correction_bias", np.zeros(0, np.float32), (2,))  # a block of padding only
   assert np.isneginf(empty).all() and empty.shape == (2,)
   # JAX arrays, traced ones too, are padded as JAX arrays (no host round trip; usable inside jax.jit).
-  on_device = jax.jit(lambda b: sharding.pad_param("e_score_correction_bias", b, (9,)))(jnp.ones(7, jnp.bfloat16))
+  on_device = jax.jit(lambda b: padding.pad_param("e_score_correction_bias", b, (9,)))(jnp.ones(7, jnp.bfloat16))
   assert isinstance(on_device, jax.Array) and on_device.dtype == jnp.bfloat16 and on_device.shape == (9,)
   np.testing.assert_array_equal(np.asarray(on_device, np.float32), [1] * 7 + [-np.inf] * 2)
   with pytest.raises(ValueError, match=r"kernel: cannot pad shape \(2, 3\) to \(2, 2\)"):
-    sharding.pad_param("kernel", w, (2, 2))
+    padding.pad_param("kernel", w, (2, 2))
   with pytest.raises(ValueError, match="tp must be an int >= 1"):
-    sharding.PaddingPlan.for_config(cfg, 0)
+    padding.PaddingPlan.for_config(cfg, 0)
   with pytest.raises(ValueError, match="field must be one of"):
     plan.padded("hidden_size")
   with pytest.raises(ValueError, match="made for other sizes"):
     plan.config(padded)
   with pytest.raises(ValueError, match="pad_to_multiple needs"):
-    sharding.pad_to_multiple(3, 0)
+    padding.pad_to_multiple(3, 0)
 
 
 def attention_np(x, wq, wk, wv, wo, heads):
@@ -151,8 +151,8 @@ def test_padded_heads_contribute_exactly_zero_sharded():
   ws = [rng.standard_normal((dm, heads * d)) / 4 for _ in range(3)] + [rng.standard_normal((heads * d, dm)) / 4]
   mesh = sharding.make_mesh(9)
   # Head-major fused [D, H * d] / [H * d, D] weights: padding the end of the axis appends whole zero heads.
-  padded = [jnp.asarray(sharding.pad_param("kernel", w.astype(np.float32), (dm, 9 * d))) for w in ws[:3]]
-  padded.append(jnp.asarray(sharding.pad_param("kernel", ws[3].astype(np.float32), (9 * d, dm))))
+  padded = [jnp.asarray(padding.pad_param("kernel", w.astype(np.float32), (dm, 9 * d))) for w in ws[:3]]
+  padded.append(jnp.asarray(padding.pad_param("kernel", ws[3].astype(np.float32), (9 * d, dm))))
   names = [("embed", "heads")] * 3 + [("heads", "embed")]
   placed = [jax.device_put(w, sharding.named_sharding(mesh, *n, shape=w.shape)) for w, n in zip(padded, names)]
   with jax.set_mesh(mesh):
@@ -200,8 +200,8 @@ def test_padded_experts_are_never_selected():
   w1, w3 = (rng.standard_normal((experts, dm, f)) / 3 for _ in range(2))
   w2 = rng.standard_normal((experts, f, dm)) / 3
   f32 = lambda a: jnp.asarray(a, jnp.float32)
-  pad = lambda name, a: f32(sharding.pad_param(name, a.astype(np.float32), (9,) + a.shape[1:]))
-  padded = (f32(sharding.pad_param("kernel", router.astype(np.float32), (dm, 9))),
+  pad = lambda name, a: f32(padding.pad_param(name, a.astype(np.float32), (9,) + a.shape[1:]))
+  padded = (f32(padding.pad_param("kernel", router.astype(np.float32), (dm, 9))),
             pad("e_score_correction_bias", bias), pad("w1", w1), pad("w3", w3), pad("w2", w2))
   out, idx = jax.jit(moe_jnp, static_argnums=6)(f32(x), *padded, top_k)
   assert out.shape == (t, dm) and out.dtype == jnp.float32 and idx.shape == (t, top_k)
@@ -222,7 +222,7 @@ def test_padded_ffn_and_vocab_contribute_exactly_zero():
   wd_ = rng.standard_normal((f, dm)) / np.sqrt(f)
   x, wg, wu, wd = (jnp.asarray(a, jnp.float32) for a in (xs, wg_, wu_, wd_))
   head = jnp.asarray(rng.standard_normal((dm, vocab)), jnp.float32)
-  pad = lambda w, shape: jnp.asarray(sharding.pad_param("kernel", w, shape))
+  pad = lambda w, shape: jnp.asarray(padding.pad_param("kernel", w, shape))
   g, u = (jnp.dot(x, pad(w, (dm, 9)), precision=HIGHEST) for w in (wg, wu))
   hidden = jax.nn.silu(g) * u
   assert hidden.shape == (4, 9) and (np.asarray(hidden[:, f:]) == 0).all()

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from test_layers import fast_jit
 
 import k3jax.layers.mla
-from k3jax import cache as cache_lib, model as model_lib, sharding
+from k3jax import cache as cache_lib, model as model_lib, padding, sharding
 from k3jax.config import KDA, PAGE_SIZE, preset
 
 M = sharding.MODEL
@@ -93,11 +93,11 @@ def test_golden_partition_specs_and_padding(tiny):
 
 def test_k3_layout_on_9_and_8_devices():
   cfg = preset("kimi_k3", impl="xla").replace(num_hidden_layers=4, layer_types=(KDA, KDA, KDA, "mla"))
-  plan = sharding.PaddingPlan.for_config(cfg, 9)
+  plan = padding.PaddingPlan.for_config(cfg, 9)
   assert plan.applied == {"num_attention_heads": (96, 99), "kda_num_heads": (96, 99), "num_experts": (896, 900),
                           "vocab_size": (163840, 163845), "intermediate_size": (33792, 33795),
                           "moe_intermediate_size": (3072, 3078)}
-  assert sharding.PaddingPlan.for_config(cfg, 8).applied == {}
+  assert padding.PaddingPlan.for_config(cfg, 8).applied == {}
   model = nnx.eval_shape(lambda: model_lib.KimiK3Model(plan.config(cfg), rngs=nnx.Rngs(0)))
   specs = flat_specs(model)
   assert all(spec == GOLDEN[path] for path, spec in specs.items())
@@ -120,9 +120,9 @@ def test_unpadded_model_is_refused(tiny):
     sharding.check_divisible("layers.0.self_attn.q_b_proj.kernel", tiny.layers[0].self_attn.q_b_proj.kernel.shape,
                              ("q_lora", "heads", "qk_head_dim"), mesh)
   with pytest.raises(ValueError, match="tp must be an int >= 1"):
-    sharding.PaddingPlan.for_config(tiny.cfg, 0)
+    padding.PaddingPlan.for_config(tiny.cfg, 0)
   with pytest.raises(ValueError, match="field must be one of"):
-    sharding.PaddingPlan.for_config(tiny.cfg, N).padded("hidden_size")
+    padding.PaddingPlan.for_config(tiny.cfg, N).padded("hidden_size")
 
 
 def test_model_without_the_dcp_hooks_is_refused(tiny, monkeypatch):
@@ -225,7 +225,7 @@ DTYPE_CASES = [(jnp.float32, jnp.float32, jnp.float32, 2e-5, 4e-6),
 
 @pytest.mark.parametrize("partial_dtype, state_dtype, store_dtype, atol, state_atol", DTYPE_CASES)
 def test_sharded_step_matches_single_device(tiny, partial_dtype, state_dtype, store_dtype, atol, state_atol):
-  model = sharding.rebuild(tiny, tiny.cfg.replace(partial_dtype=partial_dtype, state_dtype=state_dtype,
+  model = padding.rebuild(tiny, tiny.cfg.replace(partial_dtype=partial_dtype, state_dtype=state_dtype,
                                                   cache_dtype=store_dtype, conv_dtype=store_dtype))
   sharded, single, placed, mesh, hlo = run_sharded_and_single(model)
   vocab = tiny.cfg.vocab_size
