@@ -5,8 +5,9 @@
 and ``W_UV [R, H, dv]``. Nothing is rotated (NoPE); the ``dr`` slice is shared by all heads.
 
 * Prefill (non-absorbed): ``k = [c W_UK | k_pe]``, ``v = c W_UV``, causal attention among the new tokens of
-  each packed sequence; a sequence that already has cached tokens (chunked prefill) also attends to them
-  in the absorbed form below, and the two parts are merged by their log-sum-exp (``merge_partials``).
+  each packed sequence (``mla_prefill_attention``: blockwise, no ``[T, T]`` array); a sequence that already
+  has cached tokens (chunked prefill) also attends to them in the absorbed form below, and the two parts are
+  merged by their log-sum-exp (``merge_partials``). A batch without any cached prefix skips that part.
 * Decode (absorbed): ``q_abs = [W_UK q_nope | q_pe]`` against the cached rows ``[c | k_pe]`` with
   ``mla_decode``, then ``o = o_lat W_UV``.
 
@@ -24,7 +25,11 @@ from flax import nnx
 from k3jax import dcp, nn_util
 from k3jax.config import K3Config
 from k3jax.layers.norms import RMSNorm
-from pallas_kernels import merge_partials
+from pallas_kernels import MlaPrefillConfig, merge_partials, mla_prefill_attention
+
+# Query rows per step of a prefill's cached-prefix attention (``MlaLayer._attend_prefix``): each row of the
+# XLA decode gathers its whole block table, so the step's buffers grow with this times the cache capacity.
+PREFIX_ROWS = 16
 
 
 class KvBProj(nnx.Module):
@@ -98,6 +103,25 @@ class MlaLayer(nnx.Module):
                                 config=cfg.mla_op_config())
     return jnp.einsum("mhr,rhv->mhv", o_lat, w_uv, preferred_element_type=jnp.float32), lse
 
+  def _attend_prefix(self, q: jax.Array, kv_cache: jax.Array, block_table: jax.Array,
+                     seq_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``_attend_cache`` of prefill rows, ``PREFIX_ROWS`` query rows at a time (``lax.map``).
+
+    The XLA decode gathers every page of a row's block table, ``[rows, max_pages * 64, R + dr]``: for a
+    whole prompt at once that is O(T * capacity). A block of rows bounds it to O(PREFIX_ROWS * capacity).
+    Padded rows have no context: ``(0, -inf)``, sliced off. The kernels read the pages in place (no gather),
+    so they take all rows in one call.
+    """
+    t, h, _ = q.shape
+    if t <= PREFIX_ROWS or self.cfg.mla_op_config().impl != "xla":
+      return self._attend_cache(q, kv_cache, block_table, seq_lens)
+    nb = -(-t // PREFIX_ROWS)
+    blocks = (jnp.pad(x, ((0, nb * PREFIX_ROWS - t),) + ((0, 0),) * (x.ndim - 1)).reshape(nb, PREFIX_ROWS,
+                                                                                         *x.shape[1:])
+              for x in (q, block_table, seq_lens))
+    o, lse = jax.lax.map(lambda a: self._attend_cache(a[0], kv_cache, a[1], a[2]), tuple(blocks))
+    return o.reshape(nb * PREFIX_ROWS, h, o.shape[-1])[:t], lse.reshape(nb * PREFIX_ROWS, h)[:t]
+
   @staticmethod
   def _write(kv_cache: jax.Array, rows: jax.Array, block_table: jax.Array, seq: jax.Array,
              pos: jax.Array) -> jax.Array:
@@ -110,7 +134,8 @@ class MlaLayer(nnx.Module):
 
     Args:
       x: ``[T, D]`` normalised hidden states. kv_cache: ``[pages, 64, R + dr]``.
-      seq: ``[T]`` int32 sequence of each token. pos: ``[T]`` int32 position of each token in its sequence.
+      seq: ``[T]`` int32 sequence of each token, non-decreasing (tokens packed sequence by sequence).
+      pos: ``[T]`` int32 position of each token in its sequence (consecutive within a sequence).
       block_table: ``[N, max_pages]`` int32.
       prefix_lens: ``[N]`` int32 tokens each sequence had cached before this call (0: a fresh sequence).
 
@@ -126,16 +151,25 @@ class MlaLayer(nnx.Module):
     w_uk, w_uv = self._weights()
     k_nope = jnp.einsum("tr,rhd->thd", lat[:, :r], w_uk, preferred_element_type=jnp.float32).astype(cfg.dtype)
     v = jnp.einsum("tr,rhd->thd", lat[:, :r], w_uv, preferred_element_type=jnp.float32).astype(cfg.dtype)
-    k_pe = jnp.broadcast_to(lat[:, None, r:], (lat.shape[0], q.shape[1], cfg.qk_rope_head_dim))
-    k = jnp.concatenate([k_nope, k_pe], axis=-1)
-    # dot_product_attention needs one head dim for q, k and v: pad v to dn + dr and slice it back.
-    v = jnp.pad(v, ((0, 0), (0, 0), (0, q.shape[-1] - dv)))
-    mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
-    o_new, lse_new = jax.nn.dot_product_attention(q[None], k[None], v[None], mask=mask[None, None],
-                                                  scale=cfg.mla_scale, return_residual=True)
-    o_pre, lse_pre = self._attend_cache(q, kv_cache, block_table[seq], prefix_lens[seq])
-    o, _ = merge_partials(jnp.stack([o_new[0, :, :, :dv].astype(jnp.float32), o_pre]),
-                          jnp.stack([lse_new[0].astype(jnp.float32), lse_pre]))
+    # Tokens are packed sequence by sequence (``seq`` non-decreasing), so sequence n starts at the first token
+    # with seq >= n; within it ``pos`` grows with the token index, so causal by index is causal by position.
+    cu_seqlens = jnp.searchsorted(seq, jnp.arange(block_table.shape[0] + 1, dtype=seq.dtype),
+                                  side="left").astype(jnp.int32)
+    # impl="xla" until the Mosaic GPU prefill kernel exists (the default impl on Hopper would raise).
+    o_new, lse_new = mla_prefill_attention(q, k_nope, lat[:, r:], v, cu_seqlens=cu_seqlens,
+                                           config=MlaPrefillConfig(scale=cfg.mla_scale, impl="xla"))
+    token_prefix = prefix_lens[seq]
+
+    def attend_prefix():
+      return self._attend_prefix(q, kv_cache, block_table[seq], token_prefix)
+
+    def no_prefix():
+      return (jnp.zeros((q.shape[0], q.shape[1], dv), jnp.float32), jnp.full(q.shape[:2], -jnp.inf, jnp.float32))
+
+    # A fresh prefill (no token has a cached prefix) skips the prefix attention: it would only merge empty
+    # parts. XLA still reserves the branch's buffers at compile time, so this saves its time, not its memory.
+    o_pre, lse_pre = jax.lax.cond(jnp.any(token_prefix > 0), attend_prefix, no_prefix)
+    o, _ = merge_partials(jnp.stack([o_new.astype(jnp.float32), o_pre]), jnp.stack([lse_new, lse_pre]))
     return self._output(x, o), kv_cache
 
   def decode(self, x: jax.Array, kv_cache: jax.Array, *, block_table: jax.Array,

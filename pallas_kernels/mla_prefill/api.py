@@ -1,0 +1,118 @@
+"""Public MLA prefill entry point: causal attention within packed sequences, flash-style blockwise in XLA.
+
+The blockwise path never forms a ``[T, T]`` array: an outer ``lax.map`` over query blocks runs an inner
+``lax.fori_loop`` over key blocks with a running max and sum in f32 (online softmax), so its working set is
+O(T * H * D) for the inputs and outputs plus one ``[H, block_q, block_k]`` f32 score block. Compute stays
+O(T^2) within a sequence, but key blocks after a query block's last token or before the first token of its
+first row's sequence are not visited.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _util
+from pallas_kernels.mla_prefill import reference
+from pallas_kernels.mla_prefill.config import MlaPrefillConfig
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
+  return jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k"))
+def _blockwise(q, k_nope, k_rope, v, cu_seqlens, *, scale, block_q, block_k):
+  t, h, _ = q.shape
+  dv = v.shape[-1]
+  bq, bk = min(block_q, t), min(block_k, t)
+  nq, nk = _util.cdiv(t, bq), _util.cdiv(t, bk)
+  # Padded keys have indices >= T, after every real query, so the causal test drops them. Padded query rows
+  # see no key and are sliced off; they only need to stay finite.
+  start = _pad_rows(reference.segment_starts(cu_seqlens, t), nq * bq)
+  q_blocks = _pad_rows(q, nq * bq).reshape(nq, bq, *q.shape[1:])
+  k_nope, k_rope, v = (_pad_rows(x, nk * bk) for x in (k_nope, k_rope, v))
+
+  def query_block(args):
+    i, q_blk = args
+    q0 = i * bq
+    rows = q0 + jnp.arange(bq, dtype=jnp.int32)
+    row_start = jax.lax.dynamic_slice_in_dim(start, q0, bq)
+    # Starts are non-decreasing, so the first row's sequence start bounds every row's first visible key.
+    first_block = row_start[0] // bk
+    last_block = (jnp.minimum(q0 + bq, t) - 1) // bk
+
+    def key_block(j, carry):
+      m, l, acc, hit = carry
+      k0 = j * bk
+      cols = k0 + jnp.arange(bk, dtype=jnp.int32)
+      mask = (cols[None, :] >= row_start[:, None]) & (cols[None, :] <= rows[:, None])
+      blk = lambda x: jax.lax.dynamic_slice_in_dim(x, k0, bk)
+      s = jnp.where(mask[None], reference.logits(q_blk, blk(k_nope), blk(k_rope), scale), -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+      # Shift by 0 only while a row has seen nothing but -inf; a NaN or +inf max must stay and give NaN.
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp(m - m_use)
+      p = jnp.exp(s - m_use[..., None])
+      l = alpha * l + jnp.sum(p, axis=-1)
+      # Cleaned per block, not up front: an f32 copy of the whole V would be the largest buffer of the op.
+      v_clean, v_bad = reference.split_v(blk(v))
+      acc = alpha[..., None] * acc + jnp.einsum("hqk,khv->hqv", p, v_clean, precision=_HIGHEST)
+      hit = hit + jnp.einsum("qk,kh->hq", mask.astype(jnp.float32), v_bad, precision=_HIGHEST)
+      return m_new, l, acc, hit
+
+    init = (jnp.full((h, bq), -jnp.inf, jnp.float32), jnp.zeros((h, bq), jnp.float32),
+            jnp.zeros((h, bq, dv), jnp.float32), jnp.zeros((h, bq), jnp.float32))
+    m, l, acc, hit = jax.lax.fori_loop(first_block, last_block + 1, key_block, init)
+    # A real row always sees itself: l == 0 there only when every visible logit is -inf (infinite inputs),
+    # which must read NaN, never as an empty row. Padded rows divide by 1.
+    l = jnp.where(rows[None, :] < t, jnp.where(l == 0, jnp.nan, l), 1.0)
+    o = jnp.where(hit[..., None] > 0, jnp.nan, acc / l[..., None])
+    return o.transpose(1, 0, 2).astype(q.dtype), (m + jnp.log(l)).T
+
+  o, lse = jax.lax.map(query_block, (jnp.arange(nq, dtype=jnp.int32), q_blocks))
+  return o.reshape(nq * bq, h, dv)[:t], lse.reshape(nq * bq, h)[:t]
+
+
+def mla_prefill_attention(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v: jax.Array, *,
+                          cu_seqlens: jax.Array,
+                          config: MlaPrefillConfig | None = None) -> tuple[jax.Array, jax.Array]:
+  """Causal self-attention within each packed sequence, the MLA prefill form (non-absorbed, shared rope key).
+
+  Token ``i`` of sequence ``n`` attends to tokens ``cu_seqlens[n] .. i`` with logits
+  ``scale * (q[i, h, :Dn] . k_nope[j, h] + q[i, h, Dn:] . k_rope[j])``; softmax statistics and the
+  accumulation are f32 and the output is rounded once. ``impl="xla"`` is the blockwise path (memory
+  O(T * H * D + H * block_q * block_k), never ``[T, T]``); ``impl="pallas"`` and ``"interpret"`` raise
+  ``NotImplementedError`` until the Mosaic GPU kernel exists. The XLA path runs a data-dependent loop, so
+  it is forward-only (no reverse-mode gradient).
+
+  Args:
+    q: ``[T, H, Dn + Dr]`` queries (K3: Dn = 128, Dr = 64), f32/bf16/f16. T = 0 is allowed.
+    k_nope: ``[T, H, Dn]`` per-head keys, q's dtype.
+    k_rope: ``[T, Dr]`` rope key shared by all heads (never broadcast to ``[T, H, Dr]``), q's dtype.
+    v: ``[T, H, Dv]`` values, q's dtype; Dv may differ from Dn + Dr.
+    cu_seqlens: ``[N + 1]`` int32, non-decreasing from 0 to T (empty sequences allowed).
+    config: ``MlaPrefillConfig`` (scale, impl, block sizes).
+
+  Returns:
+    ``o [T, H, Dv]`` in q's dtype and ``lse [T, H]`` f32 natural log of the softmax denominator. A NaN or inf
+    in q or in a visible key makes the heads it reaches NaN in ``o`` and ``lse``; one in a visible ``v`` row
+    makes that head's ``o`` NaN. Later tokens and other sequences never reach a token.
+
+  Raises:
+    ValueError: malformed shapes or dtypes, or (when concrete) ``cu_seqlens`` values.
+    NotImplementedError: ``impl`` "pallas" or "interpret" (the Mosaic GPU prefill kernel is not written yet).
+  """
+  config = config or MlaPrefillConfig()
+  reference.validate_prefill_inputs(q, k_nope, k_rope, v, cu_seqlens)
+  if config.impl != "xla":
+    raise NotImplementedError(f"the Mosaic GPU prefill kernel is not implemented yet (impl={config.impl!r}); "
+                              "use impl='xla'")
+  t, h, _ = q.shape
+  if t == 0:
+    return jnp.zeros((0, h, v.shape[-1]), q.dtype), jnp.zeros((0, h), jnp.float32)
+  scale = reference.default_scale(q) if config.scale is None else config.scale
+  return _blockwise(q, k_nope, k_rope, v, cu_seqlens, scale=scale, block_q=config.block_q,
+                    block_k=config.block_k)

@@ -1,0 +1,119 @@
+"""Dense pure-JAX reference of causal varlen MLA prefill attention, and the input checks of the op.
+
+Layout: ``T`` packed tokens of ``N`` sequences, sequence ``n`` holding tokens ``[cu_seqlens[n],
+cu_seqlens[n + 1])``. Head ``h`` of token ``i`` attends to the tokens ``j <= i`` of its own sequence with
+logits ``scale * (q[i, h, :Dn] . k_nope[j, h] + q[i, h, Dn:] . k_rope[j])`` in f32: the rope key is one row
+per token shared by all heads (MLA's ``k_pe``). Every token sees itself, so no row is empty.
+
+Non-finite inputs: a NaN or inf in ``q`` or in a visible key (``k_nope`` or ``k_rope``) makes the heads it
+reaches NaN in ``o`` and ``lse``; a NaN or inf in a visible ``v`` row makes that head's ``o`` NaN. A token
+never sees later tokens or other sequences, so their values, finite or not, never reach it: masked logits are
+replaced (``where``) and non-finite V rows are zeroed and counted apart, since ``0 * NaN`` would leak.
+
+This dense form builds ``[H, T, T]`` f32 scores: it is the test reference for small ``T`` only.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _util
+from pallas_kernels.kda import checks
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def validate_prefill_inputs(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v: jax.Array,
+                            cu_seqlens: jax.Array) -> None:
+  """Raises ``ValueError`` naming the argument for any malformed prefill input.
+
+  Shapes and dtypes are always checked; the values of ``cu_seqlens`` (non-decreasing from 0 to T) only when
+  it is concrete (not traced).
+  """
+  _util.check_dtype("q", q, _util.FLOAT_DTYPES)
+  _util.check_shape("q", q, (None, None, None))
+  t, h, dq = q.shape
+  _util.check_shape("k_nope", k_nope, (t, h, None))
+  dn = k_nope.shape[-1]
+  if dn < 1 or dn > dq:
+    raise ValueError(f"k_nope last dim Dn must lie in [1, {dq}] (q's last dim Dn + Dr = {dq}), got {dn}")
+  _util.check_shape("k_rope", k_rope, (t, dq - dn))
+  _util.check_shape("v", v, (t, h, None))
+  for name, x in (("k_nope", k_nope), ("k_rope", k_rope), ("v", v)):
+    _util.check_dtype(name, x, (q.dtype,))
+  if h < 1 or v.shape[-1] < 1:
+    raise ValueError(f"H and Dv must be >= 1, got H = {h} and v shape {tuple(v.shape)}")
+  checks.check_index("cu_seqlens", cu_seqlens, (None,), (jnp.int32,))
+  if cu_seqlens.shape[0] < 1:
+    raise ValueError(f"cu_seqlens must have shape (N + 1,) with N >= 0, got {tuple(cu_seqlens.shape)}")
+  checks.check_pointer("cu_seqlens", _util.concrete(cu_seqlens), t, f"T = {t}")
+
+
+def default_scale(q: jax.Array) -> float:
+  """``(Dn + Dr) ** -0.5``."""
+  return float(q.shape[-1]) ** -0.5
+
+
+def segment_starts(cu_seqlens: jax.Array, t: int) -> jax.Array:
+  """``[T]`` int32: the first token of each token's sequence (empty sequences share a boundary; ``side="right"``
+  picks the non-empty one that holds the token)."""
+  seq = jnp.searchsorted(cu_seqlens, jnp.arange(t, dtype=jnp.int32), side="right") - 1
+  return cu_seqlens[seq].astype(jnp.int32)
+
+
+def logits(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, scale: float) -> jax.Array:
+  """``[H, Tq, Tk]`` f32 ``scale * (q_nope . k_nope + q_rope . k_rope)``; the rope key is never broadcast."""
+  dn = k_nope.shape[-1]
+  s = jnp.einsum("qhd,khd->hqk", q[..., :dn], k_nope, precision=_HIGHEST, preferred_element_type=jnp.float32)
+  if k_rope.shape[-1]:
+    s = s + jnp.einsum("qhr,kr->hqk", q[..., dn:], k_rope, precision=_HIGHEST,
+                       preferred_element_type=jnp.float32)
+  return s * scale
+
+
+def split_v(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``v`` with non-finite entries zeroed (f32) and ``[T, H]`` f32 ones where a row held one."""
+  finite = jnp.isfinite(v)
+  return jnp.where(finite, v, 0).astype(jnp.float32), (~finite.all(axis=-1)).astype(jnp.float32)
+
+
+def mla_prefill_reference(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v: jax.Array, *,
+                          cu_seqlens: jax.Array, scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+  """Dense causal varlen attention (``[H, T, T]`` f32 scores; small T only).
+
+  Args:
+    q: ``[T, H, Dn + Dr]`` f32/bf16/f16. k_nope: ``[T, H, Dn]``. k_rope: ``[T, Dr]`` shared by all heads.
+    v: ``[T, H, Dv]`` (any Dv). All four share q's dtype.
+    cu_seqlens: ``[N + 1]`` int32, non-decreasing from 0 to T.
+    scale: softmax scale; None means ``(Dn + Dr) ** -0.5``.
+
+  Returns:
+    ``o [T, H, Dv]`` in q's dtype (rounded once from f32) and ``lse [T, H]`` f32 natural log.
+  """
+  validate_prefill_inputs(q, k_nope, k_rope, v, cu_seqlens)
+  scale = default_scale(q) if scale is None else float(scale)
+  if q.shape[0] == 0:
+    return jnp.zeros((0, q.shape[1], v.shape[-1]), q.dtype), jnp.zeros((0, q.shape[1]), jnp.float32)
+  return _dense(q, k_nope, k_rope, v, cu_seqlens, scale=scale)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _dense(q, k_nope, k_rope, v, cu_seqlens, *, scale):
+  t = q.shape[0]
+  idx = jnp.arange(t, dtype=jnp.int32)
+  start = segment_starts(cu_seqlens, t)
+  mask = (idx[None, :] >= start[:, None]) & (idx[None, :] <= idx[:, None])
+  s = jnp.where(mask[None], logits(q, k_nope, k_rope, scale), -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  # A NaN or +inf max must give NaN (exp(inf - inf)); only an all -inf row (infinite inputs) needs a shift.
+  m = jnp.where(m == -jnp.inf, 0.0, m)
+  p = jnp.exp(s - m)
+  l = jnp.sum(p, axis=-1)
+  # l == 0 only when every visible logit is -inf, which only infinite inputs give: NaN, never an empty row.
+  l = jnp.where(l == 0, jnp.nan, l)
+  v_clean, v_bad = split_v(v)
+  o = jnp.einsum("hqk,khv->qhv", p, v_clean, precision=_HIGHEST) / l.T[:, :, None]
+  hit = jnp.einsum("qk,kh->qh", mask.astype(jnp.float32), v_bad, precision=_HIGHEST)
+  o = jnp.where(hit[:, :, None] > 0, jnp.nan, o)
+  return o.astype(q.dtype), (m[:, :, 0] + jnp.log(l)).T

@@ -1,0 +1,272 @@
+"""MLA prefill attention (``pallas_kernels.mla_prefill``): dense reference and blockwise ``impl="xla"`` path vs
+a float64 NumPy oracle of causal varlen attention with a rope key shared by all heads."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pallas_kernels import MlaPrefillConfig, mla_prefill_attention
+from pallas_kernels.mla_prefill.reference import mla_prefill_reference
+from support import budget
+
+DN, DR, DV = 8, 4, 6  # small dims; Dv differs from Dn + Dr on purpose
+BLOCK = 8
+# f32 arithmetic on O(1) logits and values: sums of at most a few hundred terms, a few roundings of 6e-8 each.
+F32_ATOL = 2e-5
+# bf16 inputs are exact in f32 and f64 alike; the output is rounded once to bf16: half an ulp, 2^-8 relative.
+BF16_RTOL = 2.0 ** -8
+# Blockwise vs dense in f32: the same f32 terms summed in another order (online rescaling).
+PATH_ATOL = 1e-5
+
+
+def oracle(q, k_nope, k_rope, v, cu, scale):
+  """float64 causal attention per sequence; returns ``(o [T, H, Dv], lse [T, H])``."""
+  q, k_nope, k_rope, v = (np.asarray(x, np.float64) for x in (q, k_nope, k_rope, v))
+  t, h, _ = q.shape
+  o, lse = np.zeros((t, h, v.shape[-1])), np.zeros((t, h))
+  for a, b in zip(cu[:-1], cu[1:]):
+    if a == b:
+      continue
+    k = np.concatenate([k_nope[a:b], np.broadcast_to(k_rope[a:b, None], (b - a, h, DR))], axis=-1)
+    s = np.einsum("qhd,khd->hqk", q[a:b], k) * scale
+    s = np.where(np.tril(np.ones((b - a, b - a), bool))[None], s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m)
+    o[a:b] = np.einsum("hqk,khv->qhv", p / p.sum(-1, keepdims=True), v[a:b])
+    lse[a:b] = (m[..., 0] + np.log(p.sum(-1))).T
+  return o, lse
+
+
+def make_inputs(lens, num_heads, dtype=jnp.float32, seed=0, q_std=1.0):
+  rng = np.random.default_rng(seed)
+  t = int(sum(lens))
+  x = lambda *shape, std=1.0: jnp.asarray(rng.standard_normal(shape) * std, jnp.float32).astype(dtype)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+  return (x(t, num_heads, DN + DR, std=q_std), x(t, num_heads, DN), x(t, DR), x(t, num_heads, DV)), cu
+
+
+def _xla(**kw):
+  return MlaPrefillConfig(impl="xla", **{"block_q": BLOCK, "block_k": BLOCK, **kw})
+
+
+def _check_against_oracle(o, lse, args, cu, scale):
+  q = args[0]
+  assert o.shape == q.shape[:2] + (DV,) and o.dtype == q.dtype
+  assert lse.shape == q.shape[:2] and lse.dtype == jnp.float32
+  o_ref, lse_ref = oracle(*args, np.asarray(cu), scale)
+  o64 = np.asarray(o, np.float64)
+  if q.dtype == jnp.bfloat16:
+    np.testing.assert_array_less(np.abs(o64 - o_ref), BF16_RTOL * np.abs(o_ref) + F32_ATOL)
+  else:
+    np.testing.assert_allclose(o64, o_ref, atol=F32_ATOL)
+  np.testing.assert_allclose(np.asarray(lse), lse_ref, atol=F32_ATOL)
+
+
+LENS = {"one": [1], "block-1": [BLOCK - 1], "block": [BLOCK], "block+1": [BLOCK + 1],
+        "packed": [3, 0, BLOCK + 1, 5, 2 * BLOCK + 3], "long": [5 * BLOCK + 3]}
+
+
+@pytest.mark.parametrize("q_std", [0.3, 1.0, 3.0])
+def test_dense_reference_matches_oracle(q_std):
+  # q_std 0.3 / 1 / 3: diffuse to peaky attention.
+  args, cu = make_inputs(LENS["packed"], 4, q_std=q_std)
+  o, lse = mla_prefill_reference(*args, cu_seqlens=cu, scale=0.4)
+  _check_against_oracle(o, lse, args, cu, 0.4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("num_heads", [1, 3, 8])
+@pytest.mark.parametrize("case", list(LENS))
+def test_blockwise_matches_oracle_and_dense(case, num_heads, dtype):
+  args, cu = make_inputs(LENS[case], num_heads, dtype, seed=num_heads)
+  o, lse = mla_prefill_attention(*args, cu_seqlens=cu, config=_xla())
+  scale = (DN + DR) ** -0.5
+  _check_against_oracle(o, lse, args, cu, scale)
+  o_d, lse_d = mla_prefill_reference(*args, cu_seqlens=cu)
+  if dtype == jnp.float32:
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_d), atol=PATH_ATOL)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_d), atol=PATH_ATOL)
+
+
+@pytest.mark.parametrize("block_q,block_k", [(1, 1), (3, 5), (5, 3), (16, 4), (512, 512)])
+def test_block_sizes_do_not_change_the_result(block_q, block_k):
+  args, cu = make_inputs(LENS["packed"], 2, seed=3)
+  o, lse = mla_prefill_attention(*args, cu_seqlens=cu, config=_xla(block_q=block_q, block_k=block_k, scale=0.5))
+  _check_against_oracle(o, lse, args, cu, 0.5)
+
+
+def test_empty_batch():
+  for lens in ([], [0], [0, 0]):
+    args, cu = make_inputs(lens, 3)
+    for fn in (lambda: mla_prefill_attention(*args, cu_seqlens=cu, config=_xla()),
+               lambda: mla_prefill_reference(*args, cu_seqlens=cu)):
+      o, lse = fn()
+      assert o.shape == (0, 3, DV) and o.dtype == jnp.float32 and lse.shape == (0, 3) and lse.dtype == jnp.float32
+
+
+def test_traced_cu_seqlens_under_jit():
+  args, cu = make_inputs(LENS["packed"], 2, seed=4)
+  o, lse = jax.jit(lambda *a, cu: mla_prefill_attention(*a, cu_seqlens=cu, config=_xla()))(*args, cu=cu)
+  _check_against_oracle(o, lse, args, cu, (DN + DR) ** -0.5)
+
+
+@pytest.mark.parametrize("path", ["blockwise", "dense"])
+@pytest.mark.parametrize("where", ["q", "k_nope", "k_rope", "v"])
+def test_nan_reaches_exactly_the_rows_that_see_it(where, path):
+  """A NaN reaches the later tokens of its own sequence (its head, or all heads via the shared rope key) and
+  nothing else; it is never masked away inside a block shared with rows that must not see it."""
+  lens = [3, BLOCK + 5, 4]
+  args, cu = make_inputs(lens, 3, seed=5)
+  run = ((lambda a: mla_prefill_attention(*a, cu_seqlens=cu, config=_xla(block_q=4, block_k=4)))
+         if path == "blockwise" else (lambda a: mla_prefill_reference(*a, cu_seqlens=cu)))
+  clean_o, clean_lse = (np.asarray(x) for x in run(args))
+  tok, head = 3 + 6, 1  # token 6 of the second sequence, in the middle of a key block
+  names = ["q", "k_nope", "k_rope", "v"]
+  x = np.array(args[names.index(where)])
+  x[(tok, head, 0) if where != "k_rope" else (tok, 0)] = np.nan
+  o, lse = (np.asarray(y) for y in run(tuple(jnp.asarray(x) if n == where else a for n, a in zip(names, args))))
+  seq_end = 3 + BLOCK + 5
+  rows = np.arange(sum(lens))
+  reached = np.zeros(o.shape[:2], bool)
+  later = (rows >= tok) & (rows < seq_end)
+  if where == "q":
+    reached[tok, head] = True
+  elif where == "k_rope":
+    reached[later, :] = True
+  else:
+    reached[later, head] = True
+  assert np.isnan(o[reached]).all() and not np.isnan(o[~reached]).any()
+  np.testing.assert_allclose(o[~reached], clean_o[~reached], atol=PATH_ATOL)
+  lse_nan = reached if where != "v" else np.zeros_like(reached)
+  assert np.isnan(lse[lse_nan]).all() and not np.isnan(lse[~lse_nan]).any()
+  np.testing.assert_allclose(lse[~lse_nan], clean_lse[~lse_nan], atol=PATH_ATOL)
+
+
+def test_bad_inputs_raise():
+  (q, kn, kr, v), cu = make_inputs([3, 4], 2)
+  good = dict(q=q, k_nope=kn, k_rope=kr, v=v)
+  cases = [
+      (dict(q=q[0]), "q must have shape"),
+      (dict(k_nope=kn[:5]), "k_nope must have shape"),
+      (dict(k_nope=jnp.zeros((7, 2, DN + DR + 1))), "k_nope last dim"),
+      (dict(k_rope=jnp.broadcast_to(kr[:, None], (7, 2, DR))), "k_rope must have shape"),
+      (dict(k_rope=kr[:, :2]), "k_rope must have shape"),
+      (dict(v=v[:, :1]), "v must have shape"),
+      (dict(v=v.astype(jnp.bfloat16)), "v must have dtype"),
+      (dict(q=q.astype(jnp.int32)), "q must have dtype"),
+  ]
+  for change, msg in cases:
+    args = {**good, **change}
+    with pytest.raises(ValueError, match=msg):
+      mla_prefill_attention(args["q"], args["k_nope"], args["k_rope"], args["v"], cu_seqlens=cu, config=_xla())
+  for bad_cu, msg in [(cu.astype(jnp.float32), "cu_seqlens must have dtype"),
+                      (jnp.zeros((0,), jnp.int32), r"cu_seqlens must have shape \(N \+ 1,\)"),
+                      (jnp.asarray([0, 5, 3, 7], jnp.int32), "non-decreasing from 0 to T = 7"),
+                      (jnp.asarray([0, 3, 6], jnp.int32), "non-decreasing from 0 to T = 7")]:
+    with pytest.raises(ValueError, match=msg):
+      mla_prefill_attention(q, kn, kr, v, cu_seqlens=bad_cu, config=_xla())
+  for kw, msg in [(dict(block_q=0), "block_q must be an int >= 1"), (dict(block_k=2.0), "block_k must be an int"),
+                  (dict(scale=-1.0), "scale must be a finite float > 0"), (dict(scale="x"), "scale must be a float"),
+                  (dict(impl="cuda"), "impl must be one of")]:
+    with pytest.raises(ValueError, match=msg):
+      MlaPrefillConfig(**kw)
+  for impl in ("pallas", "interpret"):
+    with pytest.raises(NotImplementedError, match="Mosaic GPU prefill kernel is not implemented yet"):
+      mla_prefill_attention(q, kn, kr, v, cu_seqlens=cu, config=MlaPrefillConfig(impl=impl))
+
+
+def test_long_prompt_lowers_without_a_t_by_t_array():
+  """T = 32768, H = 11 (K3 heads over 9 devices, rounded up) compiles on the CPU with a working set far below
+  one ``[T, T]`` f32 array (4 GiB; the dense form's ``[H, T, T]`` scores are 44 GiB). Compiled, not run."""
+  t, h = 32768, 11
+  spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  args = (spec(t, h, 192), spec(t, h, 128), spec(t, 64), spec(t, h, 128), jax.ShapeDtypeStruct((5,), jnp.int32))
+  config = MlaPrefillConfig(impl="xla", block_q=256, block_k=512)
+  fn = lambda q, k_nope, k_rope, v, cu: mla_prefill_attention(q, k_nope, k_rope, v, cu_seqlens=cu, config=config)
+  compiled = jax.jit(fn).lower(*args).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  # The working set is the stacked outputs, O(T * H * Dv), and a few [H, 256, 512] f32 score blocks (5.5 MiB
+  # each): below the bf16 bytes of q alone, and far below one [T, T] array.
+  assert temp < t * h * 192 * 2
+  assert temp < t * t * 4 // 64
+  assert not re.search(rf"\b{t},(\d+,)*{t}\b", compiled.as_text())
+
+
+@budget(cpu=12, gpu=60)
+@given(lens=st.lists(st.integers(0, 40), min_size=0, max_size=4), num_heads=st.integers(1, 4),
+       block_q=st.integers(1, 24), block_k=st.integers(1, 24), bf16=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_randomized_blockwise_vs_oracle(lens, num_heads, block_q, block_k, bf16, seed):
+  args, cu = make_inputs(lens, num_heads, jnp.bfloat16 if bf16 else jnp.float32, seed=seed)
+  o, lse = mla_prefill_attention(*args, cu_seqlens=cu, config=_xla(block_q=block_q, block_k=block_k))
+  _check_against_oracle(o, lse, args, cu, (DN + DR) ** -0.5)
+
+
+# ------------------------------------------------------------------------------------ in the MLA layer
+@pytest.mark.parametrize("prefix_rows", [3, 1000])
+def test_layer_chunked_prefill_matches_oracle(monkeypatch, prefix_rows):
+  """A fresh prefill (the prefix part skipped) then a chunked one whose cached-prefix attention runs in blocks
+  of ``prefix_rows`` query rows (3: several blocks and a padded last one; 1000: one call) equal the
+  non-absorbed float64 oracle over the whole sequences."""
+  from flax import nnx
+  from test_layers import np_mla, npf, rand_x, run_module, tiny
+
+  import k3jax.layers.mla as mla_layer
+  from k3jax.cache import init_cache
+
+  monkeypatch.setattr(mla_layer, "PREFIX_ROWS", prefix_rows)
+  cfg = tiny()
+  m = mla_layer.MlaLayer(cfg, rngs=nnx.Rngs(8))
+  table = jnp.asarray([[0, 1], [2, 3]], jnp.int32)
+  kv = init_cache(cfg, 2, 128).mla[0]
+
+  def prefill(m, x, kv, s, p, prefix):
+    return m.prefill(x, kv, seq=s, pos=p, block_table=table, prefix_lens=prefix)
+
+  def step(x, kv, lens, prefix):
+    seq = np.repeat(np.arange(2), lens).astype(np.int32)
+    pos = (np.concatenate([np.arange(n) for n in lens]) + np.asarray(prefix)[seq]).astype(np.int32)
+    return run_module(m, prefill, x, kv, jnp.asarray(seq), jnp.asarray(pos), jnp.asarray(prefix, jnp.int32))
+
+  x0, x1 = rand_x(cfg, 29, seed=1), rand_x(cfg, 17, seed=2)
+  y0, kv = step(x0, kv, [20, 9], [0, 0])
+  y1, kv = step(x1, kv, [11, 6], [20, 9])
+  seqs = [np.concatenate([npf(x0)[:20], npf(x1)[:11]]), np.concatenate([npf(x0)[20:], npf(x1)[11:]])]
+  want = [np_mla(cfg, m, s, np.array([0, len(s)]))[0] for s in seqs]
+  # f32 activations against a float64 oracle (the tolerance of tests/test_layers.py).
+  np.testing.assert_allclose(np.asarray(y0), np.concatenate([want[0][:20], want[1][:9]]), atol=2e-4, rtol=2e-4)
+  np.testing.assert_allclose(np.asarray(y1), np.concatenate([want[0][20:], want[1][9:]]), atol=2e-4, rtol=2e-4)
+
+
+def test_layer_prefill_of_a_long_prompt_compiles_to_a_bounded_working_set():
+  """The K3 MLA layer (96 heads, one device, bf16) prefilling T = 32768 tokens into a cache of the same
+  capacity compiles (not run) to a working set of O(T * H * D) plus one block of ``PREFIX_ROWS`` rows of the
+  cached-prefix attention. Before: the dense [H, T, T] f32 scores (384 GiB), and the prefix attention of all T
+  rows at once gathering ``[T, capacity, 576]`` (reserved by XLA even when no prefix exists: about 1.1 TB at
+  T = 16384)."""
+  from flax import nnx
+
+  from k3jax import config as cfg_lib
+  from k3jax.layers.mla import MlaLayer
+
+  t = 32768
+  cfg = cfg_lib.preset("kimi_k3", impl="xla", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                       cache_dtype=jnp.bfloat16)
+  graph, state = nnx.split(nnx.eval_shape(lambda: MlaLayer(cfg, rngs=nnx.Rngs(0))))
+  spec = jax.ShapeDtypeStruct
+  pages = t // 64
+  args = (state, spec((t, cfg.hidden_size), jnp.bfloat16),
+          spec((pages, 64, cfg.kv_lora_rank + cfg.qk_rope_head_dim), jnp.bfloat16), spec((t,), jnp.int32),
+          spec((t,), jnp.int32), spec((1, pages), jnp.int32), spec((1,), jnp.int32))
+
+  def prefill(state, x, kv, seq, pos, table, prefix):
+    return nnx.merge(graph, state).prefill(x, kv, seq=seq, pos=pos, block_table=table, prefix_lens=prefix)
+
+  temp = jax.jit(prefill).lower(*args).compile().memory_analysis().temp_size_in_bytes
+  # About 7 GiB of [T, H, D] f32 buffers (q, k, v, the two partials and their merge) and 2 GiB for a block of
+  # 16 prefix rows over 32768 cached tokens; 16 GiB leaves room for XLA's buffer assignment to change.
+  assert temp < 16 * 2 ** 30
