@@ -69,7 +69,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3jax
-from k3jax import dcp, demo, padding, sharding
+from k3jax import dcp, demo, padding, sharding, steps
 from k3jax.cache import KdaState, ModelCache
 
 # Per --dtype, relative to the reference's largest logit. The sharded run does the same ops in other reduction
@@ -157,7 +157,7 @@ def context_cache(cfg: k3jax.K3Config, real: k3jax.K3Config, mesh: jax.sharding.
     mesh: the mesh. num_seqs: N. context: cached tokens per sequence. capacity: tokens per sequence.
     seed: the content's seed.
   """
-  cache = sharding.init_cache(cfg, num_seqs, capacity, mesh)
+  cache = steps.init_mesh_cache(cfg, num_seqs, capacity, mesh)
   rng = np.random.default_rng(seed)
   h, k, w = real.kda_num_heads, real.kda_head_dim, real.short_conv_kernel_size
   p = cache.kda[0].recurrent.shape[0] if cache.kda else 0
@@ -202,7 +202,7 @@ def fit_experts(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Nam
     cfg: the block's config (its ``num_experts`` is the most it returns). mesh: the mesh.
     args: the resolved sizes (``seqs``, ``prompt_len``, ``prefill_batch``, ``context``, ``decode_steps``).
     limit: bytes one device can allocate (``memory_stats()["bytes_limit"]``).
-    compiler_options: as for ``sharding.jit_model_step``.
+    compiler_options: as for ``steps.jit_model_step``.
 
   Raises:
     ValueError: not even ``EXPERT_MULTIPLE`` experts fit (the message gives the numbers).
@@ -210,7 +210,7 @@ def fit_experts(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Nam
   n = sharding.mesh_size(mesh)
   plan = padding.PaddingPlan.for_config(cfg, n)
   model = nnx.eval_shape(lambda: k3jax.KimiK3Model(plan.config(cfg), rngs=nnx.Rngs(0)))
-  step = sharding.jit_model_step(model, mesh, vocab_size=cfg.vocab_size, compiler_options=compiler_options)
+  step = steps.jit_model_step(model, mesh, vocab_size=cfg.vocab_size, compiler_options=compiler_options)
   params = _param_bytes(model, mesh)
   # The routed experts and the router's expert columns.
   experts = _param_bytes(model, mesh, lambda path: "experts" in path or "gate" in path)
@@ -219,7 +219,7 @@ def fit_experts(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Nam
   for kind, capacity, args_ in (
       ("prefill", args.prompt_len, (whole(args.prefill_batch * args.prompt_len), whole(args.seqs + 1))),
       ("decode", args.context + args.decode_steps, (whole(args.seqs),))):
-    cache = sharding.init_cache(plan.config(cfg), args.seqs, capacity, mesh)  # small next to the weights
+    cache = steps.init_mesh_cache(plan.config(cfg), args.seqs, capacity, mesh)  # small next to the weights
     _log(f"memory fit: compiling {kind} for {cfg.num_experts} experts on abstract parameters")
     fn = step.prefill_jit if kind == "prefill" else step.decode_jit
     with jax.set_mesh(mesh):
@@ -266,7 +266,7 @@ def run(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Namespace,
   whole = NamedSharding(mesh, P())
   _log(f"initialising {cfg.num_experts}-expert parameters on {n} device(s)")
   model, plan = init_model(cfg, mesh, args.seed, compiler_options)
-  step = sharding.jit_model_step(model, mesh, vocab_size=cfg.vocab_size, compiler_options=compiler_options)
+  step = steps.jit_model_step(model, mesh, vocab_size=cfg.vocab_size, compiler_options=compiler_options)
   rng = np.random.default_rng(args.seed)
   prompts = rng.integers(0, cfg.vocab_size, (seqs, plen), dtype=np.int32)
   feed = rng.integers(0, cfg.vocab_size, (total_steps, seqs), dtype=np.int32)
@@ -278,7 +278,7 @@ def run(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Namespace,
     lens[first:first + batch] = plen
     calls.append((jax.device_put(prompts[first:first + batch].reshape(-1), whole), demo.packed_cu_seqlens(lens)))
   positions = prefill_positions(plen)
-  cache = sharding.init_cache(model.cfg, seqs, plen, mesh)
+  cache = steps.init_mesh_cache(model.cfg, seqs, plen, mesh)
   kept, times = [], []
   for rep in range(args.warmup + args.reps):
     what = "compile + warm-up" if rep < args.warmup else "timed"

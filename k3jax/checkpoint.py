@@ -513,7 +513,7 @@ def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, conf
 
   Returns:
     ``(cfg, model)``: the unpadded config and the model (``model.cfg`` is the padded config with a mesh; run
-    it with ``k3jax.sharding.jit_model_step(model, mesh, vocab_size=cfg.vocab_size)``).
+    it with ``k3jax.steps.jit_model_step(model, mesh, vocab_size=cfg.vocab_size)``).
 
   Raises:
     ValueError: a missing, unexpected, wrongly shaped or typed tensor (named, with what was expected), a

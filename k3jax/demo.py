@@ -1,7 +1,7 @@
 """`make demo`: the tiny Kimi-K3 model on one device, then sharded over every device, compared.
 
 Both runs do a packed prefill of a few prompts and 16 greedy decode steps through
-``k3jax.sharding.jit_model_step``: on one device the plain ops, on N devices the sharded layout (heads split,
+``k3jax.steps.jit_model_step``: on one device the plain ops, on N devices the sharded layout (heads split,
 the MLA latent cache split along tokens, expert-parallel MoE). The sharded run decodes the tokens the
 unsharded run chose, so their logits compare one for one. On a machine without GPUs JAX gets 9 CPU devices:
 none of the tiny model's split dims divides by 9 (as K3's 96 heads do not), so the padding is part of the run.
@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 import k3jax
-from k3jax import padding, sharding
+from k3jax import padding, sharding, steps
 
 CPU_DEVICES = 9
 PROMPT_LENS = (5, 9, 3)
@@ -74,7 +74,7 @@ class Run:
 
   Attributes:
     mesh: the mesh it ran on. plan: its ``padding.PaddingPlan``. cfg: the (padded) config it ran.
-    step: the jitted ``sharding.ModelStep``.
+    step: the jitted ``steps.ModelStep``.
     logits: f32 prefill logits ``[T, vocab]`` then one ``[N, vocab]`` per decode step.
     fed: ``[N, DECODE_STEPS]`` int32 token fed to each decode step.
     greedy: ``[N, DECODE_STEPS]`` int32 argmax of the logits before each decode step (what it would feed).
@@ -86,7 +86,7 @@ class Run:
   mesh: jax.sharding.Mesh
   plan: padding.PaddingPlan
   cfg: k3jax.K3Config
-  step: sharding.ModelStep
+  step: steps.ModelStep
   logits: list[np.ndarray]
   fed: np.ndarray
   greedy: np.ndarray
@@ -137,8 +137,8 @@ def generate(model: k3jax.KimiK3Model, mesh: jax.sharding.Mesh, prompts: list[np
   cfg, n = model.cfg, len(prompts)
   label = f"{sharding.mesh_size(mesh)} device" + ("s" if sharding.mesh_size(mesh) > 1 else "")
   placed, plan = sharding.shard_model(model, mesh)
-  step = sharding.jit_model_step(placed, mesh, vocab_size=cfg.vocab_size)
-  fresh = lambda: sharding.init_cache(placed.cfg, n, max(PROMPT_LENS) + DECODE_STEPS, mesh)
+  step = steps.jit_model_step(placed, mesh, vocab_size=cfg.vocab_size)
+  fresh = lambda: steps.init_mesh_cache(placed.cfg, n, max(PROMPT_LENS) + DECODE_STEPS, mesh)
   tokens, cu = jnp.asarray(np.concatenate(prompts)), packed_cu_seqlens([len(p) for p in prompts])
   total = DECODE_STEPS + 2
   t_start = time.perf_counter()

@@ -1,7 +1,5 @@
 """Test setup: 9 CPU devices (the 9-device mesh exists only on CPUs here), markers, the `gpu` skip."""
 
-import os
-
 import jax
 
 # Must happen before JAX initialises its backends.

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax import dcp, sharding
+from k3jax import dcp, sharding, steps
 from pallas_kernels.mla import MlaDecodeConfig, mla_decode
 
 D, DC = 576, 512
@@ -227,7 +227,7 @@ def test_hlo_moves_queries_and_partials_never_the_cache():
                          sharding.named_sharding(mesh, *dcp.CACHE_NAMES)),
           jnp.asarray(table), jnp.asarray(LENS, jnp.int32))
   lowered = step.lower(*args)
-  ops = [(op, shape) for op, _, shape in sharding.collectives(lowered.compile().as_text())]
+  ops = [(op, shape) for op, _, shape in steps.collectives(lowered.compile().as_text())]
   # One all-gather of the queries over heads, one all-to-all of the packed partials (Dc + 2 bf16 halves of
   # the f32 LSE); nothing else, so no latent-cache bytes cross devices.
   assert ops == [("all-gather", (len(LENS), n, D)), ("all-to-all", (1, len(LENS), 1, DC + 2))]

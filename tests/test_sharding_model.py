@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from test_layers import fast_jit
 
 import k3jax.layers.mla
-from k3jax import cache as cache_lib, model as model_lib, padding, sharding
+from k3jax import cache as cache_lib, model as model_lib, padding, sharding, steps
 from k3jax.config import KDA, PAGE_SIZE, preset
 
 M = sharding.MODEL
@@ -132,8 +132,8 @@ def test_model_without_the_dcp_hooks_is_refused(tiny, monkeypatch):
   monkeypatch.setattr(k3jax.layers.mla.MlaLayer, "_write", staticmethod(plain_write))
   mesh = sharding.make_mesh(N)
   placed, _ = sharding.shard_model(tiny, mesh)
-  step = sharding.jit_model_step(placed, mesh, vocab_size=tiny.cfg.vocab_size)
-  cache = sharding.init_cache(placed.cfg, 2, 64, mesh)
+  step = steps.jit_model_step(placed, mesh, vocab_size=tiny.cfg.vocab_size)
+  cache = steps.init_mesh_cache(placed.cfg, 2, 64, mesh)
   with pytest.raises(NotImplementedError, match="without k3jax.dcp.write_rows"):
     step.prefill(jnp.zeros(4, jnp.int32), jnp.asarray([0, 1, 4], jnp.int32), cache)
 
@@ -141,8 +141,8 @@ def test_model_without_the_dcp_hooks_is_refused(tiny, monkeypatch):
 def test_sharded_step_checks_values_and_runs_an_empty_prefill(tiny):
   mesh = sharding.make_mesh(N)
   placed, _ = sharding.shard_model(tiny, mesh)
-  step = sharding.jit_model_step(placed, mesh, vocab_size=tiny.cfg.vocab_size)
-  cache = sharding.init_cache(placed.cfg, 2, 64, mesh)
+  step = steps.jit_model_step(placed, mesh, vocab_size=tiny.cfg.vocab_size)
+  cache = steps.init_mesh_cache(placed.cfg, 2, 64, mesh)
   # The padded vocabulary's extra rows are not tokens; the capacity is counted on the mesh (DCP).
   with pytest.raises(ValueError, match=r"tokens must be ids in \[0, vocab_size = 256\)"):
     step.prefill(jnp.asarray([1, tiny.cfg.vocab_size], jnp.int32), jnp.asarray([0, 1, 2], jnp.int32), cache)
@@ -161,18 +161,18 @@ def test_sharded_step_checks_values_and_runs_an_empty_prefill(tiny):
 FAST = {"xla_backend_optimization_level": 0}
 
 
-def run_sharded_and_single(model, steps=2):
-  """Packed prefill of a ragged batch then ``steps`` decodes, sharded over 9 devices and on one device."""
+def run_sharded_and_single(model, num_decodes=2):
+  """Packed prefill of a ragged batch then ``num_decodes`` decodes, sharded over 9 devices and on one device."""
   cfg = model.cfg
   rng = np.random.default_rng(0)
   lens = [3, 11, 0]  # ragged, shorter than 9 (empty DCP shards), and an empty sequence
   cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
   tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, cu[-1]).astype(np.int32))
-  steps_tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (steps, len(lens))).astype(np.int32))
+  steps_tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (num_decodes, len(lens))).astype(np.int32))
   mesh = sharding.make_mesh(N)
   placed, _ = sharding.shard_model(model, mesh)
-  step = sharding.jit_model_step(placed, mesh, vocab_size=cfg.vocab_size, compiler_options=FAST)
-  cache = sharding.init_cache(placed.cfg, len(lens), 64, mesh, fill=0.0)
+  step = steps.jit_model_step(placed, mesh, vocab_size=cfg.vocab_size, compiler_options=FAST)
+  cache = steps.init_mesh_cache(placed.cfg, len(lens), 64, mesh, fill=0.0)
   first = cache
   sharded = [step.prefill(tokens, jnp.asarray(cu), cache)]
   assert all(x.is_deleted() for x in jax.tree.leaves(first))  # donated
@@ -258,7 +258,7 @@ def test_sharded_step_matches_single_device(tiny, partial_dtype, state_dtype, st
 def check_collectives(cfg, hlo):
   """Decode moves the queries and the packed partials; no cache row, KDA state or conv window moves."""
   latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-  decode, prefill = (sharding.collectives(hlo[k]) for k in ("decode", "prefill"))
+  decode, prefill = (steps.collectives(hlo[k]) for k in ("decode", "prefill"))
   for op, _, shape in decode + prefill:
     assert shape[-2:] != (PAGE_SIZE, latent) and shape[-2:] != (cfg.kda_head_dim, cfg.kda_head_dim), (op, shape)
     assert not (len(shape) == 3 and shape[1] == cfg.short_conv_kernel_size - 1), (op, shape)

@@ -1,0 +1,146 @@
+"""The jitted model step on a mesh: ``jit_model_step``, its sharded cache and the collectives it runs.
+
+Use (``k3jax.checkpoint.load_hf(path, mesh=mesh)`` does the first step while loading)::
+
+  mesh = sharding.make_mesh(9)
+  model, plan = sharding.shard_model(model, mesh)   # pad for 9 devices, place every parameter
+  cache = init_mesh_cache(model.cfg, num_seqs, max_seq_len, mesh)
+  step = jit_model_step(model, mesh, vocab_size=plan.real("vocab_size"))
+  logits, cache = step.prefill(tokens, cu_seqlens, cache)
+  logits, cache = step.decode(next_tokens, cache)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from k3jax import cache as cache_lib, model as model_lib, sharding
+from k3jax.cache import ModelCache
+from k3jax.config import MLA
+from pallas_kernels import _util
+
+
+def init_mesh_cache(cfg, num_seqs: int, max_seq_len: int, mesh: jax.sharding.Mesh, *,
+               fill: float = 0.0) -> ModelCache:
+  """An empty sharded cache (born sharded) for ``cfg`` (already padded) on ``mesh``.
+
+  KDA pools and conv pools are split by heads. Each MLA cache is a DCP cache (``k3jax.dcp``): every device
+  has a local pool of ``num_seqs * pages_per_device(max_seq_len)`` pages, and the block table holds local
+  page ids shared by all devices. ``state_indices``, ``block_table`` and ``seq_lens`` are replicated.
+
+  Args:
+    cfg: model config (``K3Config``; dims and cache dtypes). num_seqs: N.
+    max_seq_len: tokens per sequence. mesh: the mesh. fill: initial value of every pool element.
+  """
+  n = sharding.mesh_size(mesh)
+
+  def build():
+    local = cache_lib.init_cache(cfg, num_seqs, _util.cdiv(max_seq_len, n), fill=fill)
+    mla = tuple(jnp.full((n * x.shape[0],) + x.shape[1:], fill, x.dtype) for x in local.mla)
+    return local.replace(mla=mla)
+
+  with jax.set_mesh(mesh):
+    return jax.jit(build, out_shardings=sharding.tree_shardings(mesh, sharding.cache_specs(cfg)))()
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelStep:
+  """Jitted, sharded ``prefill`` / ``decode`` of a placed model (``jit_model_step``).
+
+  Both take and return a cache from ``init_mesh_cache`` (donated: pass the returned one on) and return f32
+  logits over the real vocabulary, replicated. Like ``k3jax.prefill``/``decode`` they check the index values
+  of their concrete arguments on the host (``k3jax.model.check_prefill_inputs``/``check_decode_inputs``, the
+  capacity counted on this mesh) before the jitted step: a rejected call donates nothing.
+  """
+
+  mesh: jax.sharding.Mesh
+  state: nnx.State
+  prefill_jit: Callable
+  decode_jit: Callable
+  vocab_size: int
+
+  def prefill(self, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
+    """``KimiK3Model.prefill`` (``tokens [T]``, ``cu_seqlens [N + 1]``) -> ``(logits [T, vocab], cache)``."""
+    with jax.set_mesh(self.mesh):
+      model_lib.check_prefill_inputs(tokens, cu_seqlens, cache, vocab_size=self.vocab_size)
+      if tokens.shape[0] == 0:  # every L_n is 0: nothing changes (as KimiK3Model.prefill)
+        return jnp.zeros((0, self.vocab_size), jnp.float32), cache
+      return self.prefill_jit(self.state, tokens, cu_seqlens, cache)
+
+  def decode(self, tokens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
+    """``KimiK3Model.decode`` (``tokens [N]``) -> ``(logits [N, vocab], cache)``."""
+    with jax.set_mesh(self.mesh):
+      model_lib.check_decode_inputs(tokens, cache, vocab_size=self.vocab_size)
+      return self.decode_jit(self.state, tokens, cache)
+
+  def compiled_text(self, kind: str, *args) -> str:
+    """Compiled HLO of ``prefill`` or ``decode`` (``kind``) for these arguments (for inspecting collectives)."""
+    fn = {"prefill": self.prefill_jit, "decode": self.decode_jit}[kind]
+    with jax.set_mesh(self.mesh):
+      return fn.lower(self.state, *args).compile().as_text()
+
+
+def jit_model_step(model: nnx.Module, mesh: jax.sharding.Mesh, *, vocab_size: int | None = None,
+                   compiler_options: dict[str, str | bool | int | float] | None = None) -> ModelStep:
+  """The jitted sharded step of a model placed by ``shard_model``.
+
+  Parameters keep their ``param_specs`` shardings, caches their ``cache_specs`` shardings (donated), and
+  every op runs on the ambient mesh: KDA ops per head group, MLA decode with DCP.
+
+  Args:
+    model: a ``KimiK3Model`` from ``shard_model`` (padded for the mesh).
+    mesh: the mesh it was placed on.
+    vocab_size: the real vocabulary (logits past it, from padded rows, are dropped); default the model's.
+    compiler_options: XLA options for both compiles (``jax.jit``'s), e.g.
+      ``{"xla_backend_optimization_level": 0}``: CPU compiles several times faster, the same ops.
+  """
+  cfg = model.cfg
+  vocab = cfg.vocab_size if vocab_size is None else vocab_size
+  graphdef, state = nnx.split(model)
+  params = sharding.tree_shardings(mesh, sharding.param_specs(model))
+  caches = sharding.tree_shardings(mesh, sharding.cache_specs(cfg))
+  whole = NamedSharding(mesh, P())
+
+  def checked(run):
+    sharding.TRACED_DROP_INS.clear()
+    logits, cache = run()
+    if MLA in cfg.layer_types and sharding.mesh_size(mesh) > 1 and not sharding.TRACED_DROP_INS["write_rows"]:
+      raise NotImplementedError("the model's MLA layers write the latent cache without k3jax.dcp.write_rows "
+                                "(and read it without k3jax.dcp.mla_decode); on a mesh that would corrupt "
+                                "the DCP cache")
+    return logits[:, :vocab], cache
+
+  def prefill(state, tokens, cu_seqlens, cache):
+    return checked(lambda: nnx.merge(graphdef, state).prefill(tokens, cu_seqlens, cache))
+
+  def decode(state, tokens, cache):
+    return checked(lambda: nnx.merge(graphdef, state).decode(tokens, cache))
+
+  return ModelStep(
+      mesh=mesh, state=state, vocab_size=vocab,
+      prefill_jit=jax.jit(prefill, in_shardings=(params, whole, whole, caches), out_shardings=(whole, caches),
+                          donate_argnums=3, compiler_options=compiler_options),
+      decode_jit=jax.jit(decode, in_shardings=(params, whole, caches), out_shardings=(whole, caches),
+                         donate_argnums=2, compiler_options=compiler_options))
+
+
+_COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%\S+ = \(?([a-z0-9]+)\[([0-9,]*)\][^\n]*? "
+                         r"(all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)(?:-start)?\(",
+                         re.MULTILINE)
+
+
+def collectives(hlo_text: str) -> list[tuple[str, str, tuple[int, ...]]]:
+  """``(op, dtype, per-device result shape)`` of every collective in compiled HLO text (first tuple element).
+
+  For inspecting what a sharded step communicates (tests and the demo), e.g.
+  ``collectives(jax.jit(f).lower(*args).compile().as_text())``.
+  """
+  return [(op, dtype, tuple(int(d) for d in dims.split(",") if d))
+          for dtype, dims, op in _COLLECTIVE.findall(hlo_text)]
