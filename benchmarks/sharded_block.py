@@ -9,7 +9,7 @@ One run = one mesh (all visible devices, or the first ``--devices n``):
 (b) decode steps at ``--context`` C tokens per sequence. The cache is built directly, not prefilled (a
     prefill of 8 x 32K tokens would cost more than the whole benchmark): random latent rows ``[c | k_pe]``
     ~ N(0, 1) (``c`` is RMS-normalised, ``k_pe`` a projection of a normalised input) written through
-    ``k3jax.dcp.write_rows`` (the DCP layout on a mesh), KDA states ~ N(0, 1 / K) (rows of unit norm),
+    ``k3jax.ops.mesh_write_rows`` (the DCP layout on a mesh), KDA states ~ N(0, 1 / K) (rows of unit norm),
     conv windows ~ N(0, 1), ``seq_lens = C``. The decode reads every cached row, so its cost is that of a
     real 32K context; the logits are not those of any text.
 
@@ -69,7 +69,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3jax
-from k3jax import dcp, demo, padding, sharding, steps
+from k3jax import demo, ops, padding, sharding, steps
 from k3jax.cache import KdaState, ModelCache
 
 # Per --dtype, relative to the reference's largest logit. The sharded run does the same ops in other reduction
@@ -150,7 +150,7 @@ def context_cache(cfg: k3jax.K3Config, real: k3jax.K3Config, mesh: jax.sharding.
 
   The content is drawn on the host (``np.random.default_rng(seed)``, the same on every mesh), the KDA
   arrays padded to the padded heads with zeros (a padded model keeps those states at zero), and the latent
-  rows written with ``k3jax.dcp.write_rows``.
+  rows written with ``k3jax.ops.mesh_write_rows``.
 
   Args:
     cfg: the padded config the model runs. real: the unpadded one (the content has its shapes).
@@ -174,7 +174,7 @@ def context_cache(cfg: k3jax.K3Config, real: k3jax.K3Config, mesh: jax.sharding.
   def fill(cache: ModelCache, content: dict, seq: jax.Array, pos: jax.Array) -> ModelCache:
     kda = tuple(KdaState(**{name: x.astype(getattr(state, name).dtype) for name, x in new.items()})
                 for state, new in zip(cache.kda, content["kda"]))
-    mla = tuple(dcp.write_rows(kv, rows, cache.block_table, seq, pos) for kv, rows in zip(cache.mla, content["mla"]))
+    mla = tuple(ops.mesh_write_rows(kv, rows, cache.block_table, seq, pos) for kv, rows in zip(cache.mla, content["mla"]))
     return cache.replace(kda=kda, mla=mla, seq_lens=jnp.full((num_seqs,), context, jnp.int32))
 
   shardings = sharding.tree_shardings(mesh, sharding.cache_specs(cfg))

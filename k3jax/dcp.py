@@ -15,7 +15,7 @@ Layout (interleave 1: vLLM's default, sglang's "rank r owns position p when p mo
 
 With ``N = 1`` this is exactly the single-device paged layout of ``pallas_kernels.mla``.
 
-Decode (spec ``mla.md`` §6.2-6.3 (b)): the head-sharded absorbed queries are all-gathered over heads,
+Decode: the head-sharded absorbed queries are all-gathered over heads,
 every device attends with all heads over its local tokens, the ``(o, lse)`` partials go back to the
 devices owning the heads in one all-to-all (``o`` in ``partial_dtype``, the f32 LSE bit-packed into the
 same buffer), and ``merge_partials`` combines them in f32. The latent cache never moves.
@@ -144,7 +144,7 @@ def _dcp_mla_decode(q_abs, kv_cache, block_table, seq_lens, *, scale, mesh, conf
   return fn(q_abs, kv_cache, block_table, seq_lens)
 
 
-def _write_local(kv, block_table, seq_ids, positions, kv_new, *, n, rank):
+def write_local(kv, block_table, seq_ids, positions, kv_new, *, n, rank):
   pages, page_rows = kv.shape[:2]
   local = positions // n
   col = jnp.clip(local // page_rows, 0, block_table.shape[1] - 1)
@@ -156,7 +156,7 @@ def _write_local(kv, block_table, seq_ids, positions, kv_new, *, n, rank):
 
 
 def _write_on_mesh(kv, block_table, seq_ids, positions, kv_new):
-  return _write_local(kv, block_table, seq_ids, positions, kv_new, n=jax.lax.axis_size(sharding.MODEL),
+  return write_local(kv, block_table, seq_ids, positions, kv_new, n=jax.lax.axis_size(sharding.MODEL),
                       rank=jax.lax.axis_index(sharding.MODEL))
 
 
@@ -221,31 +221,3 @@ def dcp_append_token(kv_cache: jax.Array, block_table: jax.Array, seq_lens: jax.
   _util.check_shape("seq_lens", seq_lens, (block_table.shape[0],))
   seq_ids = jnp.arange(block_table.shape[0], dtype=jnp.int32)
   return dcp_write(kv_cache, block_table, seq_ids, seq_lens, kv_new, mesh=mesh)
-
-
-
-def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, seq_lens: jax.Array, *,
-               scale: float, config: MlaDecodeConfig | None = None) -> tuple[jax.Array, jax.Array]:
-  """``pallas_kernels.mla_decode`` for model code: DCP decode on the ambient mesh (``jax.set_mesh``).
-
-  Without a mesh of more than one device it is ``pallas_kernels.mla_decode`` itself (the DCP layout of one
-  device is the plain paged layout).
-  """
-  mesh = sharding.ambient_mesh()
-  if mesh is None:
-    return mla_ops.mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=scale, config=config)
-  return dcp_mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=scale, mesh=mesh, config=config)
-
-
-def write_rows(kv_cache: jax.Array, rows: jax.Array, block_table: jax.Array, seq: jax.Array,
-               pos: jax.Array) -> jax.Array:
-  """Cache write for model code: row ``i`` goes to token ``pos[i]`` of sequence ``seq[i]`` (-1: skipped).
-
-  On the ambient mesh this is ``dcp_write`` (owner device only); without one the plain paged write.
-  """
-  mesh = sharding.ambient_mesh()
-  seq, pos = seq.astype(jnp.int32), pos.astype(jnp.int32)
-  if mesh is None:
-    return _write_local(kv_cache, block_table, seq, pos, rows, n=1, rank=0)
-  sharding.TRACED_DROP_INS["write_rows"] += 1
-  return dcp_write(kv_cache, block_table, seq, pos, rows, mesh=mesh)

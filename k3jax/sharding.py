@@ -28,7 +28,6 @@ size raises ``ValueError``; ``PaddingPlan`` pads the model exactly (zero heads, 
 zero FFN columns, dropped vocab rows; ``k3jax.padding``).
 """
 
-import collections
 from collections.abc import Callable, Sequence
 
 import jax
@@ -38,8 +37,6 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from k3jax import padding
 from k3jax.cache import KdaState, ModelCache
 from k3jax.config import KDA
-from pallas_kernels.kda import api as kda_ops
-from pallas_kernels.kda import short_conv
 
 MODEL = "model"
 MESH_AXES = (MODEL,)
@@ -223,82 +220,7 @@ def cache_specs(cfg) -> ModelCache:
   return ModelCache(kda=kda, mla=mla, state_indices=P(), block_table=P(), seq_lens=P())
 
 
-# Mesh-aware drop-in calls traced on a mesh, by name. ``jit_model_step`` checks that the model made the ones
-# its layout needs: the DCP latent cache is only correct when every MLA write goes through the drop-in.
-TRACED_DROP_INS: collections.Counter = collections.Counter()
-
-
 def ambient_mesh() -> jax.sharding.AbstractMesh | None:
   """The mesh set with ``jax.set_mesh`` when its model axis has more than one device, else None."""
   mesh = jax.sharding.get_abstract_mesh()
   return None if mesh.empty or mesh_size(mesh) == 1 else mesh
-
-
-def _split_at(x: jax.Array, axis: int) -> tuple[str | None, ...]:
-  names = [None] * x.ndim
-  names[axis] = "kda_heads"
-  return tuple(names)
-
-
-def _per_device(op: Callable, arrays: dict, out_names, **static):
-  """``op(**arrays, **static)``: per device on the ambient mesh (``arrays``: name -> (array, names)).
-
-  None arrays are passed through as None; without a mesh ``op`` runs as is.
-  """
-  mesh = ambient_mesh()
-  if mesh is None:
-    return op(**{k: a for k, (a, _) in arrays.items()}, **static)
-  keys = [k for k, (a, _) in arrays.items() if a is not None]
-  local = lambda *xs: op(**dict(zip(keys, xs)), **static)
-  return shard_kernel(local, [arrays[k][1] for k in keys], out_names, mesh)(*(arrays[k][0] for k in keys))
-
-
-def kda_prefill(q, k, v, g_raw, beta_raw, *, A_log, dt_bias, cu_seqlens, state_pool, state_indices,
-                has_initial_state, checkpoint_indptr=None, checkpoint_offsets=None, checkpoint_slots=None,
-                config=None):
-  """``pallas_kernels.kda_prefill`` split over KDA heads on the ambient mesh; the same signature and result.
-
-  Heads are independent, so each device runs the op on its heads and its share of the state pool; the
-  state is never gathered.
-  """
-  heads = _split_at(q, -2)
-  return _per_device(kda_ops.kda_prefill, dict(
-      q=(q, heads), k=(k, heads), v=(v, heads), g_raw=(g_raw, heads), beta_raw=(beta_raw, _split_at(beta_raw, -1)),
-      A_log=(A_log, ("kda_heads",)), dt_bias=(dt_bias, ("kda_heads", None)), cu_seqlens=(cu_seqlens, None),
-      state_pool=(state_pool, KDA_POOL_NAMES), state_indices=(state_indices, None),
-      has_initial_state=(has_initial_state, None), checkpoint_indptr=(checkpoint_indptr, None),
-      checkpoint_offsets=(checkpoint_offsets, None), checkpoint_slots=(checkpoint_slots, None)),
-      (heads, KDA_POOL_NAMES), config=config)
-
-
-def kda_decode(q, k, v, g_raw, beta_raw, *, A_log, dt_bias, state_pool, state_indices, num_accepted=None,
-               config=None):
-  """``pallas_kernels.kda_decode`` split over KDA heads on the ambient mesh; the same signature and result."""
-  heads = _split_at(q, -2)
-  return _per_device(kda_ops.kda_decode, dict(
-      q=(q, heads), k=(k, heads), v=(v, heads), g_raw=(g_raw, heads), beta_raw=(beta_raw, _split_at(beta_raw, -1)),
-      A_log=(A_log, ("kda_heads",)), dt_bias=(dt_bias, ("kda_heads", None)),
-      state_pool=(state_pool, KDA_POOL_NAMES), state_indices=(state_indices, None),
-      num_accepted=(num_accepted, None)), (heads, KDA_POOL_NAMES), config=config)
-
-
-def short_conv_prefill(x, weight, *, cu_seqlens, conv_pool, state_indices, has_initial_state,
-                       checkpoint_indptr=None, checkpoint_offsets=None, checkpoint_slots=None, activation="silu",
-                       impl=None):
-  """``short_conv.short_conv_prefill`` split over the (head-major) channels on the ambient mesh."""
-  channels = _split_at(x, -1)
-  return _per_device(short_conv.short_conv_prefill, dict(
-      x=(x, channels), weight=(weight, ("kda_heads", None)), cu_seqlens=(cu_seqlens, None),
-      conv_pool=(conv_pool, CONV_POOL_NAMES), state_indices=(state_indices, None),
-      has_initial_state=(has_initial_state, None), checkpoint_indptr=(checkpoint_indptr, None),
-      checkpoint_offsets=(checkpoint_offsets, None), checkpoint_slots=(checkpoint_slots, None)),
-      (channels, CONV_POOL_NAMES), activation=activation, impl=impl)
-
-
-def short_conv_update(x, weight, *, conv_pool, state_indices, num_accepted=None, activation="silu", impl=None):
-  """``short_conv.short_conv_update`` split over the (head-major) channels on the ambient mesh."""
-  channels = _split_at(x, -1)
-  return _per_device(short_conv.short_conv_update, dict(
-      x=(x, channels), weight=(weight, ("kda_heads", None)), conv_pool=(conv_pool, CONV_POOL_NAMES),
-      state_indices=(state_indices, None), num_accepted=(num_accepted, None)),
-      (channels, CONV_POOL_NAMES), activation=activation, impl=impl)

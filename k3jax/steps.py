@@ -23,7 +23,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax import cache as cache_lib, model as model_lib, sharding
 from k3jax.cache import ModelCache
-from k3jax.config import MLA
 from pallas_kernels import _util
 
 
@@ -108,20 +107,13 @@ def jit_model_step(model: nnx.Module, mesh: jax.sharding.Mesh, *, vocab_size: in
   caches = sharding.tree_shardings(mesh, sharding.cache_specs(cfg))
   whole = NamedSharding(mesh, P())
 
-  def checked(run):
-    sharding.TRACED_DROP_INS.clear()
-    logits, cache = run()
-    if MLA in cfg.layer_types and sharding.mesh_size(mesh) > 1 and not sharding.TRACED_DROP_INS["write_rows"]:
-      raise NotImplementedError("the model's MLA layers write the latent cache without k3jax.dcp.write_rows "
-                                "(and read it without k3jax.dcp.mla_decode); on a mesh that would corrupt "
-                                "the DCP cache")
+  def prefill(state, tokens, cu_seqlens, cache):
+    logits, cache = nnx.merge(graphdef, state).prefill(tokens, cu_seqlens, cache)
     return logits[:, :vocab], cache
 
-  def prefill(state, tokens, cu_seqlens, cache):
-    return checked(lambda: nnx.merge(graphdef, state).prefill(tokens, cu_seqlens, cache))
-
   def decode(state, tokens, cache):
-    return checked(lambda: nnx.merge(graphdef, state).decode(tokens, cache))
+    logits, cache = nnx.merge(graphdef, state).decode(tokens, cache)
+    return logits[:, :vocab], cache
 
   return ModelStep(
       mesh=mesh, state=state, vocab_size=vocab,

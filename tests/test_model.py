@@ -17,7 +17,7 @@ from test_layers import (F32, assert_close, fast_jit, np_attn_res, np_kda, np_ml
 
 import k3jax
 from k3jax import config as cfg_lib
-from k3jax import dcp, nn_util, sharding
+from k3jax import nn_util, ops, sharding
 from k3jax.cache import SlotAllocator, init_cache
 from pallas_kernels import _util
 
@@ -242,13 +242,13 @@ def test_storage_dtypes_follow_the_config(monkeypatch):
   """``state_dtype``, ``cache_dtype``, ``conv_dtype`` set the stored arrays (here opposite to the f32 default
   of ``tiny`` / the activations) and ``partial_dtype`` reaches ``mla_decode``, in prefill and in decode."""
   seen = []
-  real = dcp.mla_decode
+  real = ops.mesh_mla_decode
 
   def spy(*args, config, **kw):
     seen.append(config.partial_dtype)
     return real(*args, config=config, **kw)
 
-  monkeypatch.setattr(dcp, "mla_decode", spy)
+  monkeypatch.setattr(ops, "mesh_mla_decode", spy)
   cfg = cfg_lib.preset("tiny", **{**F32, "num_hidden_layers": 2, "layer_types": ("kda", "mla"),
                                   "state_dtype": jnp.bfloat16, "cache_dtype": jnp.bfloat16,
                                   "conv_dtype": jnp.bfloat16, "partial_dtype": jnp.bfloat16})

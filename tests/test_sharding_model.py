@@ -1,5 +1,6 @@
 """The Kimi-K3 model sharded over 9 CPU devices (impl="xla"): parameter layout, padding, the jitted step."""
 
+import collections
 import math
 import re
 
@@ -12,8 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from test_layers import fast_jit
 
-import k3jax.layers.mla
-from k3jax import cache as cache_lib, model as model_lib, padding, sharding, steps
+from k3jax import cache as cache_lib, model as model_lib, ops, padding, sharding, steps
 from k3jax.config import KDA, PAGE_SIZE, preset
 
 M = sharding.MODEL
@@ -125,17 +125,24 @@ def test_unpadded_model_is_refused(tiny):
     padding.PaddingPlan.for_config(tiny.cfg, N).padded("hidden_size")
 
 
-def test_model_without_the_dcp_hooks_is_refused(tiny, monkeypatch):
-  def plain_write(kv_cache, rows, block_table, seq, pos):  # a layer unaware of the DCP layout
-    return kv_cache.at[block_table[seq, pos // PAGE_SIZE], pos % PAGE_SIZE].set(rows)
-
-  monkeypatch.setattr(k3jax.layers.mla.MlaLayer, "_write", staticmethod(plain_write))
+def test_layers_run_the_mesh_aware_ops(tiny, monkeypatch):
+  # The DCP latent cache is only correct when every MLA write and read goes through k3jax.ops, and the KDA
+  # pools when the KDA and conv ops run per device: a spy counts the calls the sharded step traces.
+  seen = collections.Counter()
+  for name in ("mesh_write_rows", "mesh_mla_decode", "mesh_kda_prefill", "mesh_kda_decode", "mesh_short_conv_prefill",
+               "mesh_short_conv_update"):
+    real = getattr(ops, name)
+    monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name, **kw: seen.update([_name]) or _real(*a, **kw))
   mesh = sharding.make_mesh(N)
   placed, _ = sharding.shard_model(tiny, mesh)
-  step = steps.jit_model_step(placed, mesh, vocab_size=tiny.cfg.vocab_size)
-  cache = steps.init_mesh_cache(placed.cfg, 2, 64, mesh)
-  with pytest.raises(NotImplementedError, match="without k3jax.dcp.write_rows"):
-    step.prefill(jnp.zeros(4, jnp.int32), jnp.asarray([0, 1, 4], jnp.int32), cache)
+  step = steps.jit_model_step(placed, mesh, vocab_size=tiny.cfg.vocab_size, compiler_options=FAST)
+  _, cache = step.prefill(jnp.zeros(4, jnp.int32), jnp.asarray([0, 1, 4], jnp.int32),
+                          steps.init_mesh_cache(placed.cfg, 2, 64, mesh))
+  # One MLA layer (write, then its cached-prefix read) and one KDA layer (q, k and v convolutions).
+  assert seen == {"mesh_write_rows": 1, "mesh_mla_decode": 1, "mesh_kda_prefill": 1, "mesh_short_conv_prefill": 3}
+  seen.clear()
+  step.decode(jnp.zeros(2, jnp.int32), cache)
+  assert seen == {"mesh_write_rows": 1, "mesh_mla_decode": 1, "mesh_kda_decode": 1, "mesh_short_conv_update": 3}
 
 
 def test_sharded_step_checks_values_and_runs_an_empty_prefill(tiny):

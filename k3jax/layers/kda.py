@@ -14,12 +14,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax import nn_util
+from k3jax import nn_util, ops
 from k3jax.cache import KdaState
 from k3jax.config import K3Config
 from k3jax.layers.norms import RMSNorm
 # The mesh-aware drop-ins: split over heads on the ambient mesh, the plain ops without one.
-from k3jax.sharding import kda_decode, kda_prefill, short_conv_prefill, short_conv_update
 
 _CONVS = (("q", "conv_q"), ("k", "conv_k"), ("v", "conv_v"))
 
@@ -107,10 +106,10 @@ class KdaLayer(nnx.Module):
     pre, g_raw, beta_raw = self._inputs(x)
     conv, pools = {}, {}
     for n, pool in _CONVS:
-      conv[n], pools[pool] = short_conv_prefill(
+      conv[n], pools[pool] = ops.mesh_short_conv_prefill(
           pre[n], getattr(self, f"{n}_conv1d").taps(), cu_seqlens=cu_seqlens, conv_pool=getattr(state, pool),
           state_indices=state_indices, has_initial_state=has_initial_state, impl=self.cfg.impl)
-    o, recurrent = kda_prefill(
+    o, recurrent = ops.mesh_kda_prefill(
         self._heads(conv["q"]), self._heads(conv["k"]), self._heads(conv["v"]), g_raw, beta_raw,
         A_log=self.A_log[...], dt_bias=self.dt_bias[...], cu_seqlens=cu_seqlens, state_pool=state.recurrent,
         state_indices=state_indices, has_initial_state=has_initial_state, config=self.cfg.kda_op_config())
@@ -121,10 +120,10 @@ class KdaLayer(nnx.Module):
     pre, g_raw, beta_raw = self._inputs(x)
     conv, pools = {}, {}
     for n, pool in _CONVS:
-      conv[n], pools[pool] = short_conv_update(pre[n], getattr(self, f"{n}_conv1d").taps(),
+      conv[n], pools[pool] = ops.mesh_short_conv_update(pre[n], getattr(self, f"{n}_conv1d").taps(),
                                                conv_pool=getattr(state, pool), state_indices=state_indices,
                                                impl=self.cfg.impl)
-    o, recurrent = kda_decode(
+    o, recurrent = ops.mesh_kda_decode(
         self._heads(conv["q"]), self._heads(conv["k"]), self._heads(conv["v"]), g_raw, beta_raw,
         A_log=self.A_log[...], dt_bias=self.dt_bias[...], state_pool=state.recurrent,
         state_indices=state_indices, config=self.cfg.kda_op_config())

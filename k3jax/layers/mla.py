@@ -12,8 +12,9 @@ and ``W_UV [R, H, dv]``. Nothing is rotated (NoPE); the ``dr`` slice is shared b
   ``mla_decode``, then ``o = o_lat W_UV``.
 
 Both read the latent rounded to the cache dtype, so a prefilled and a decoded token see the same keys.
-The cache is read with ``k3jax.dcp.mla_decode`` and written with ``k3jax.dcp.write_rows``: the plain paged
-ops without a mesh, the DCP layout (tokens split over devices, ``k3jax.dcp``) on one set by ``jax.set_mesh``.
+The cache is read with ``k3jax.ops.mesh_mla_decode`` and written with ``k3jax.ops.mesh_write_rows``: the
+plain paged ops without a mesh, the DCP layout (tokens split over devices, ``k3jax.dcp``) on one set by
+``jax.set_mesh``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax import dcp, nn_util
+from k3jax import nn_util, ops
 from k3jax.config import K3Config
 from k3jax.layers.norms import RMSNorm
 from pallas_kernels import MlaPrefillConfig, merge_partials, mla_prefill_attention
@@ -99,7 +100,7 @@ class MlaLayer(nnx.Module):
     w_uk, w_uv = self._weights()
     q_lat = jnp.einsum("mhd,rhd->mhr", q[..., :dn], w_uk, preferred_element_type=jnp.float32)
     q_abs = jnp.concatenate([q_lat.astype(cfg.dtype), q[..., dn:]], axis=-1)
-    o_lat, lse = dcp.mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=cfg.mla_scale,
+    o_lat, lse = ops.mesh_mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=cfg.mla_scale,
                                 config=cfg.mla_op_config())
     return jnp.einsum("mhr,rhv->mhv", o_lat, w_uv, preferred_element_type=jnp.float32), lse
 
@@ -126,7 +127,7 @@ class MlaLayer(nnx.Module):
   def _write(kv_cache: jax.Array, rows: jax.Array, block_table: jax.Array, seq: jax.Array,
              pos: jax.Array) -> jax.Array:
     """Row ``i`` to token ``pos[i]`` of sequence ``seq[i]``: the paged layout, or its DCP form on a mesh."""
-    return dcp.write_rows(kv_cache, rows, block_table, seq, pos)
+    return ops.mesh_write_rows(kv_cache, rows, block_table, seq, pos)
 
   def prefill(self, x: jax.Array, kv_cache: jax.Array, *, seq: jax.Array, pos: jax.Array,
               block_table: jax.Array, prefix_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
