@@ -17,7 +17,7 @@ from flax import nnx
 
 from k3jax import dcp, nn_util
 from k3jax.cache import KdaState, ModelCache
-from k3jax.config import KDA, PAGE_SIZE, K3Config
+from k3jax.config import KDA, MLA, PAGE_SIZE, K3Config
 from k3jax.layers.attn_res import AttnResSite
 from k3jax.layers.kda import KdaLayer
 from k3jax.layers.mla import MlaLayer
@@ -27,7 +27,9 @@ from k3jax.layers.norms import RMSNorm
 from pallas_kernels import _util
 from pallas_kernels.kda import checks
 
-Mixer = Callable[[nnx.Module, jax.Array], jax.Array]
+# ``attend(self_attn, h, entry) -> (y, entry)``: the layer's attention (prefill or decode) on the normalised
+# ``h [M, D]`` with its cache entry (``KdaState`` or the MLA latent cache), returning the updated entry.
+Attend = Callable[[nnx.Module, jax.Array, object], tuple[jax.Array, object]]
 
 
 def _check_token_ids(tokens: jax.Array, vocab_size: int) -> None:
@@ -121,30 +123,32 @@ class DecoderLayer(nnx.Module):
   def _ffn(self, x: jax.Array) -> jax.Array:
     return self.block_sparse_moe(x) if self.cfg.is_moe(self.layer) else self.mlp(x)
 
-  def __call__(self, x: jax.Array, blocks: tuple[jax.Array, ...],
-               mixer: Mixer) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+  def __call__(self, x: jax.Array, blocks: tuple[jax.Array, ...], entry,
+               attend: Attend) -> tuple[jax.Array, tuple[jax.Array, ...], object]:
     """Runs the layer.
 
     Args:
       x: ``[M, D]`` residual stream (the prefix sum with attention residuals), ``cfg.dtype``.
       blocks: depth checkpoints of the attention residuals (empty without them).
-      mixer: ``mixer(self_attn, h)`` runs the attention on the normalised ``h [M, D]`` (prefill or decode,
-        recording its cache update on the caller's side).
+      entry: this layer's cache entry (``KdaState`` or the MLA latent cache).
+      attend: ``attend(self_attn, h, entry) -> (y, entry)``, the attention (prefill or decode) on the
+        normalised ``h [M, D]``.
 
     Returns:
-      The new ``x`` and ``blocks``.
+      The new ``x``, ``blocks`` and ``entry``.
     """
     if self.cfg.attn_res_block_size is None:
-      x = x + mixer(self.self_attn, self.input_layernorm(x))
-      return x + self._ffn(self.post_attention_layernorm(x)), blocks
+      a, entry = attend(self.self_attn, self.input_layernorm(x), entry)
+      x = x + a
+      return x + self._ffn(self.post_attention_layernorm(x)), blocks, entry
     h = self.self_attention_res(x, blocks)
     prefix = x
     if self.cfg.is_attn_res_checkpoint(self.layer):
       blocks, prefix = blocks + (x,), None
-    a = mixer(self.self_attn, self.input_layernorm(h))
+    a, entry = attend(self.self_attn, self.input_layernorm(h), entry)
     prefix = a if prefix is None else prefix + a
     h = self.mlp_res(prefix, blocks)
-    return prefix + self._ffn(self.post_attention_layernorm(h)), blocks
+    return prefix + self._ffn(self.post_attention_layernorm(h)), blocks, entry
 
 
 class KimiK3Model(nnx.Module):
@@ -168,34 +172,28 @@ class KimiK3Model(nnx.Module):
       self.lm_head = nn_util.Linear((cfg.hidden_size,), (cfg.vocab_size,), ("embed", "vocab"),
                                     dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
 
-  def _run(self, tokens: jax.Array, mixers: list[Mixer]) -> jax.Array:
+  def _run(self, tokens: jax.Array, cache: ModelCache, attend_kda: Attend,
+           attend_mla: Attend) -> tuple[jax.Array, ModelCache]:
+    """Embedding, layers (each with its cache entry and the attention of its kind), head.
+
+    Returns ``logits [M, vocab]`` f32 and ``cache`` with every layer's new entry.
+    """
     cfg = self.cfg
     x = self.embed_tokens[...][tokens].astype(cfg.dtype)
     blocks: tuple[jax.Array, ...] = ()
-    for layer, mixer in zip(self.layers, mixers):
-      x, blocks = layer(x, blocks, mixer)
+    entries = {KDA: list(cache.kda), MLA: list(cache.mla)}
+    index = {KDA: 0, MLA: 0}  # next entry of each kind, in layer order
+    for layer, layer_type in zip(self.layers, cfg.layer_types):
+      kind = KDA if layer_type == KDA else MLA
+      j = index[kind]
+      x, blocks, entries[kind][j] = layer(x, blocks, entries[kind][j], attend_kda if kind == KDA else attend_mla)
+      index[kind] += 1
     if cfg.attn_res_block_size is not None:
       x = self.output_attn_res(x, blocks)
     x = self.norm(x)
     head = self.embed_tokens[...].T if cfg.tie_word_embeddings else self.lm_head.kernel[...]
-    return jnp.dot(x, head.astype(cfg.dtype), preferred_element_type=jnp.float32)
-
-  def _mixers(self, cache: ModelCache, kda_fn, mla_fn) -> tuple[list[Mixer], dict]:
-    """One mixer per layer, each writing its layer's new cache entry into ``out``."""
-    out = {"kda": list(cache.kda), "mla": list(cache.mla)}
-    mixers, counts = [], {"kda": 0, "mla": 0}
-    for t in self.cfg.layer_types:
-      kind = "kda" if t == KDA else "mla"
-      j = counts[kind]
-      counts[kind] += 1
-      fn = kda_fn if kind == "kda" else mla_fn
-
-      def mixer(attn, h, kind=kind, j=j, fn=fn):
-        y, out[kind][j] = fn(attn, h, out[kind][j])
-        return y
-
-      mixers.append(mixer)
-    return mixers, out
+    logits = jnp.dot(x, head.astype(cfg.dtype), preferred_element_type=jnp.float32)
+    return logits, cache.replace(kda=tuple(entries[KDA]), mla=tuple(entries[MLA]))
 
   def prefill(self, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
     """Prefill of a packed varlen batch; sequence n of the batch extends sequence n of the cache.
@@ -237,9 +235,8 @@ class KimiK3Model(nnx.Module):
     def mla_fn(attn: MlaLayer, h, kv):
       return attn.prefill(h, kv, seq=seq, pos=pos, block_table=cache.block_table, prefix_lens=cache.seq_lens)
 
-    mixers, out = self._mixers(cache, kda_fn, mla_fn)
-    logits = self._run(tokens, mixers)
-    return logits, cache.replace(kda=tuple(out["kda"]), mla=tuple(out["mla"]), seq_lens=cache.seq_lens + lens)
+    logits, cache = self._run(tokens, cache, kda_fn, mla_fn)
+    return logits, cache.replace(seq_lens=cache.seq_lens + lens)
 
   def decode(self, tokens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
     """One decode step: token n extends sequence n of the cache.
@@ -263,9 +260,8 @@ class KimiK3Model(nnx.Module):
     def mla_fn(attn: MlaLayer, h, kv):
       return attn.decode(h, kv, block_table=cache.block_table, seq_lens=cache.seq_lens)
 
-    mixers, out = self._mixers(cache, kda_fn, mla_fn)
-    logits = self._run(tokens, mixers)
-    return logits, cache.replace(kda=tuple(out["kda"]), mla=tuple(out["mla"]), seq_lens=cache.seq_lens + 1)
+    logits, cache = self._run(tokens, cache, kda_fn, mla_fn)
+    return logits, cache.replace(seq_lens=cache.seq_lens + 1)
 
 
 @functools.partial(nnx.jit, donate_argnames=("cache",))
