@@ -25,7 +25,6 @@ Run on the GPU machine: ``PYTHONPATH=. python3 benchmarks/kda_decode.py [--quick
 """
 
 import argparse
-import contextlib
 import faulthandler
 import functools
 import json
@@ -40,34 +39,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks._harness import COPY_BYTES_PER_S, cupti_kernels, rotation_plan  # noqa: E402
 from pallas_kernels.kda.config import KdaConfig  # noqa: E402
 from pallas_kernels.kda.decode_kernel import STATE_IO, choose_state_io, kda_decode_mosaic  # noqa: E402
 
-COPY_TBPS = 4.27
 LB = -5.0
 K = V = 128
-L2_BYTES = 60e6
 GRAPH_CALLS = 20
-
-
-@contextlib.contextmanager
-def cupti_kernels():
-  """Collects ``(kernel name, ms)`` of every kernel that runs inside (JAX's CUPTI hook, also sees torch)."""
-  from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
-  ext = mosaic_gpu_lib._mosaic_gpu_ext
-  records: list[tuple[str, float]] = []
-  ext._cupti_init()
-  try:
-    yield records
-  finally:
-    records.extend(ext._cupti_get_timings(True))
-
-
-def rotation_plan(state_bytes: int) -> tuple[int, int]:
-  """``(rotations, iters)`` for a working set of ``state_bytes``: enough rotating copies that three times the
-  L2 never holds the next step's states, and about 2 GB of state traffic timed (a multiple of the rotations)."""
-  rot = int(min(64, max(1, np.ceil(3 * L2_BYTES / state_bytes))))
-  return rot, int(min(400, max(20, 2e9 / (2 * state_bytes)))) // rot * rot or rot
 
 
 def make_inputs(n: int, h: int, rot: int, state_dtype, seed: int = 0):
@@ -199,7 +177,7 @@ def main():
                  auto=choose_state_io(n * h, K, V, state_dtype), ours_us=ours * 1e3,
                  ours_called_us=ours_called * 1e3, gbps=2 * state_bytes / (ours * 1e-3) / 1e9,
                  kernels=sorted({name for r in paths.values() for name in r[2]}), iters=iters, rotations=rot)
-      row["copy_frac"] = row["gbps"] / (COPY_TBPS * 1e3)
+      row["copy_frac"] = row["gbps"] * 1e9 / COPY_BYTES_PER_S
       if have_fla:
         called, graph_ms, kernel_ms, o_fla = time_fla(data, slots, state_dtype, iters)
         best = min(graph_ms, kernel_ms) if kernel_ms > 0 else graph_ms

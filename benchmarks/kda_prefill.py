@@ -23,13 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks._harness import COPY_BYTES_PER_S, PEAK_BF16_FLOPS
 from pallas_kernels import kda
+from pallas_kernels.testing import kda_gate_params
 
 K = V = 128
 C = 64
 LB = -5.0
-PEAK_FLOPS = 790e12
-COPY_BW = 4.27e12
 SHAPES = [("N=1 T=8192 H=96", (8192,), 96), ("N=1 T=32768 H=32", (32768,), 32),
           ("N=8x1024 H=96", (1024,) * 8, 96), ("N=1 T=8192 H=11", (8192,), 11)]
 
@@ -47,11 +47,9 @@ def make_inputs(lens, H: int, seed: int = 0):
   rng = np.random.default_rng(seed)
   T = int(sum(lens))
   f = lambda *s: rng.normal(size=s).astype(np.float32)
-  dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), size=(H, K)))
+  A_log, dt_bias = kda_gate_params(rng, H, K)
   return dict(q=f(T, H, K), k=f(T, H, K), v=f(T, H, V), g_raw=f(T, H, K) * 2, beta_raw=f(T, H),
-              A_log=np.log(rng.uniform(1, 16, size=H)).astype(np.float32),
-              dt_bias=np.log(np.expm1(dt)).astype(np.float32),
-              cu=np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+              A_log=A_log, dt_bias=dt_bias, cu=np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
               h0=(rng.normal(size=(len(lens), H, V, K)) * 0.1).astype(np.float32))
 
 
@@ -238,7 +236,7 @@ def main():
     t_ours, o = ours(x, lens, H)
     row = dict(shape=name, T=T, H=H, N=N, ours_ms=t_ours, mtok_s=T / t_ours / 1e3,
                tflops=flops(T, H) / t_ours / 1e9,
-               roofline_ms=max(flops(T, H) / PEAK_FLOPS, min_bytes(T, H, N, 4) / COPY_BW) * 1e3)
+               roofline_ms=max(flops(T, H) / PEAK_BF16_FLOPS, min_bytes(T, H, N, 4) / COPY_BYTES_PER_S) * 1e3)
     row["roofline_frac"] = row["roofline_ms"] / t_ours
     if not args.no_fla:
       try:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.kda_decode import cupti_kernels
+from benchmarks._harness import cupti_kernels
 from pallas_kernels.mla import MlaDecodeConfig, api, mla_decode
 
 DIM, PAGE = 576, 64

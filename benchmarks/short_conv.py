@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks import kda_decode, kda_prefill  # noqa: E402
+from benchmarks import _harness, kda_decode, kda_prefill  # noqa: E402
 from pallas_kernels.kda import short_conv  # noqa: E402
 
 W = 4
@@ -42,7 +42,7 @@ def device_ms(step, pool, feeds, iters: int) -> float:
   """Mean device ms per call of ``y, pool = step(pool, feeds[i % len(feeds)])`` (the pool donated), after one
   untimed call."""
   pool = jax.block_until_ready(step(pool, feeds[0]))[1]
-  with kda_decode.cupti_kernels() as records:
+  with _harness.cupti_kernels() as records:
     for i in range(iters):
       out = step(pool, feeds[i % len(feeds)])
       pool = out[1]
@@ -110,12 +110,12 @@ def main(argv: list[str] | None = None) -> None:
     shape = f"N={row['N']} T={row['T']} H={row['H']}"
     xla = f"{row['conv_xla_us']:8.1f} {row['conv_xla_us'] / row['conv_us']:10.2f}"
     print(f"{row['phase']:>7} {shape:>18} | {row['conv_us']:9.1f} {row['conv_gbps']:6.0f} "
-          f"{100 * row['conv_gbps'] / (kda_decode.COPY_TBPS * 1e3):5.1f} | {xla} | {row['kda_us']:9.1f} | "
+          f"{100 * row['conv_gbps'] * 1e9 / _harness.COPY_BYTES_PER_S:5.1f} | {xla} | {row['kda_us']:9.1f} | "
           f"{row['conv_share']:10.1%}", flush=True)
 
   def decode_rows():
     for n, h in ((1, 96), (256, 96), (8, 96), (64, 96), (256, 11)):
-      rot, iters = kda_decode.rotation_plan(n * h * K * K * 4)
+      rot, iters = _harness.rotation_plan(n * h * K * K * 4)
       conv = conv_decode_ms(n, h, rot, iters, "pallas")
       conv_xla = conv_decode_ms(n, h, rot, iters, "xla")
       data, slots = kda_decode.make_inputs(n, h, rot, jnp.float32)

@@ -7,7 +7,7 @@ jax.config.update("jax_num_cpu_devices", 9)
 
 import pytest  # noqa: E402
 
-from pallas_kernels import _util  # noqa: E402
+from pallas_kernels import _interpret, _util  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -17,6 +17,13 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+  """A failed interpreted kernel must not fail every later one: the interpreter's state is process-wide."""
+  yield
+  _interpret.reset_state()
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from test_layers import fast_jit
+from support import fast_jit
 
 import k3jax
 from k3jax import checkpoint as ck

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda import KdaConfig, api, kda_decode, kda_prefill
-from test_kda_reference import oracle_gate, oracle_recurrence, rmse_ratio
+from pallas_kernels.testing import bits, kda_gate_oracle, kda_recurrence_oracle, rel_rmse
 
 H, K, V, P = 2, 16, 16, 16
 LENS = (0, 1, 63, 64, 65, 200)
@@ -51,7 +51,7 @@ def f64(x):
 
 def expected_prefill(a, lens, slots, has, ckpts, lower_bound, scale=None):
   """Float64 oracle per sequence: outputs, and every slot the call must write with its state."""
-  g = oracle_gate(f64(a["g_raw"]), f64(a["A_log"]), f64(a["dt_bias"]), lower_bound)
+  g = kda_gate_oracle(f64(a["g_raw"]), f64(a["A_log"]), f64(a["dt_bias"]), lower_bound)
   beta = 1.0 / (1.0 + np.exp(-f64(a["beta_raw"])))
   q, k, v, pool = f64(a["q"]), f64(a["k"]), f64(a["v"]), f64(a["state_pool"])
   cu = np.cumsum((0,) + tuple(lens))
@@ -60,7 +60,7 @@ def expected_prefill(a, lens, slots, has, ckpts, lower_bound, scale=None):
   for n, (s, h, c) in enumerate(zip(slots, has, ckpts)):
     sl = slice(cu[n], cu[n + 1])
     h0 = pool[s][None] if h and s >= 0 else None
-    o_n, states = oracle_recurrence(q[None, sl], k[None, sl], v[None, sl], g[None, sl], beta[None, sl],
+    o_n, states = kda_recurrence_oracle(q[None, sl], k[None, sl], v[None, sl], g[None, sl], beta[None, sl],
                                     K ** -0.5 if scale is None else scale, h0)
     o[sl] = o_n[0]
     if s >= 0 and not (h and lens[n] == 0):
@@ -69,11 +69,6 @@ def expected_prefill(a, lens, slots, has, ckpts, lower_bound, scale=None):
       if cs >= 0:
         writes[cs] = states[off, 0]
   return o, writes
-
-
-def bits(x):
-  x = np.asarray(x)
-  return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
 
 
 def check_untouched(old_pool, new_pool, written):
@@ -92,9 +87,9 @@ def test_prefill_varlen_pool_checkpoints(lower_bound):
   assert o.shape == a["v"].shape and o.dtype == jnp.float32
   assert pool.shape == a["state_pool"].shape and pool.dtype == jnp.float32
   o_want, writes = expected_prefill(a, LENS, SLOTS, HAS, CKPTS, lower_bound)
-  assert rmse_ratio(o, o_want) < 5e-5
+  assert rel_rmse(o, o_want) < 5e-5
   for s, want in writes.items():
-    assert rmse_ratio(pool[s], want) < 5e-5, s
+    assert rel_rmse(pool[s], want) < 5e-5, s
   assert set(writes) == {5, 7, 9, 11, 12, 13, 14, 2}
   check_untouched(a["state_pool"], pool, writes)
 
@@ -114,9 +109,9 @@ def test_prefill_extreme_gates(A_log, spiky):
     a["g_raw"] = a["g_raw"].at[jnp.asarray([10, 70, 170])].set(1e5)
   o, pool = kda_prefill(**a, config=KdaConfig(impl="xla"))
   o_want, writes = expected_prefill(a, LENS, SLOTS, HAS, CKPTS, None)
-  assert rmse_ratio(o, o_want) < 5e-5
+  assert rel_rmse(o, o_want) < 5e-5
   for s, want in writes.items():
-    assert rmse_ratio(pool[s], want) < 5e-5, s
+    assert rel_rmse(pool[s], want) < 5e-5, s
   check_untouched(a["state_pool"], pool, writes)
 
 
@@ -130,9 +125,9 @@ def test_prefill_bf16_state():
   assert o.shape == a["v"].shape and o.dtype == jnp.bfloat16
   assert pool.shape == a["state_pool"].shape and pool.dtype == jnp.bfloat16
   o_want, writes = expected_prefill(a, LENS, SLOTS, HAS, CKPTS, -5.0)
-  assert rmse_ratio(o, o_want) < 4e-3
+  assert rel_rmse(o, o_want) < 4e-3
   for s, want in writes.items():
-    assert rmse_ratio(pool[s], want) < 4e-3, s
+    assert rel_rmse(pool[s], want) < 4e-3, s
   check_untouched(a["state_pool"], pool, writes)
 
 
@@ -159,10 +154,10 @@ def test_prefill_traced_indices_under_jit():
   np.testing.assert_allclose(np.asarray(pool_jit), np.asarray(pool), rtol=1e-4, atol=2e-5)
   check_untouched(pool, pool_jit, {4, 1})
   o_want, writes = expected_prefill(a, lens, slots, has, ((), (), ()), None, scale=0.3)
-  assert rmse_ratio(o, o_want) < 5e-5  # as test_prefill_varlen_pool_checkpoints
+  assert rel_rmse(o, o_want) < 5e-5  # as test_prefill_varlen_pool_checkpoints
   assert set(writes) == {4, 1}  # slot 6: length 0 with an initial state
   for s, want in writes.items():
-    assert rmse_ratio(pool[s], want) < 5e-5
+    assert rel_rmse(pool[s], want) < 5e-5
   check_untouched(a["state_pool"], pool, writes)
 
 

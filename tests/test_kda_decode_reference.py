@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda import KdaConfig, kda_decode, kda_prefill
-from test_kda_api import bits, f64
-from test_kda_reference import oracle_gate, oracle_recurrence, rmse_ratio
+from pallas_kernels.testing import bits, kda_gate_oracle, kda_recurrence_oracle, rel_rmse
+from test_kda_api import f64
 
 H, K, V, P = 2, 16, 16, 16
 
@@ -33,9 +33,9 @@ def make_params(rng):
 
 def oracle_rows(tok, params, h0, lower_bound):
   """Float64 oracle over the token axis 1 of ``tok`` (rows = sequences): outputs and all states."""
-  g = oracle_gate(f64(tok["g_raw"]), f64(params["A_log"]), f64(params["dt_bias"]), lower_bound)
+  g = kda_gate_oracle(f64(tok["g_raw"]), f64(params["A_log"]), f64(params["dt_bias"]), lower_bound)
   beta = 1.0 / (1.0 + np.exp(-f64(tok["beta_raw"])))
-  return oracle_recurrence(f64(tok["q"]), f64(tok["k"]), f64(tok["v"]), g, beta, K ** -0.5, h0)
+  return kda_recurrence_oracle(f64(tok["q"]), f64(tok["k"]), f64(tok["v"]), g, beta, K ** -0.5, h0)
 
 
 def check_untouched(old, new, written):
@@ -61,8 +61,8 @@ def test_decode_one_token_vs_oracle(lower_bound, state_dtype):
   live = slots >= 0
   h0 = f64(pool)[slots[live]]
   o_want, states = oracle_rows({n: x[live][:, None] for n, x in tok.items()}, params, h0, lower_bound)
-  assert rmse_ratio(o[live], o_want[:, 0]) < 1e-6
-  assert rmse_ratio(new[slots[live]], states[-1]) < (1e-6 if state_dtype == jnp.float32 else 4e-3)
+  assert rel_rmse(o[live], o_want[:, 0]) < 1e-6
+  assert rel_rmse(new[slots[live]], states[-1]) < (1e-6 if state_dtype == jnp.float32 else 4e-3)
   np.testing.assert_array_equal(np.asarray(o[~live]), 0.0)
   check_untouched(pool, new, set(slots[live]))
 
@@ -92,9 +92,9 @@ def test_prefill_then_decode_equals_prefill(lower_bound):
     rows = ends - J + j
     o_j, pool_dec = kda_decode(**{n: x[rows] for n, x in tok.items()}, **params, state_pool=pool_dec,
                                state_indices=slots, config=cfg)
-    assert rmse_ratio(o_j, np.asarray(o_full[rows])) < 5e-5
+    assert rel_rmse(o_j, np.asarray(o_full[rows])) < 5e-5
   for s in (3, 5):
-    assert rmse_ratio(pool_dec[s], np.asarray(pool_full[s])) < 5e-5
+    assert rel_rmse(pool_dec[s], np.asarray(pool_full[s])) < 5e-5
   check_untouched(pool, pool_dec, {3, 5})
 
 
@@ -135,11 +135,11 @@ def test_speculative_equals_sequential_decode(state_dtype):
   if state_dtype == jnp.float32:
     o_want, states = oracle_rows({n: x[:3] for n, x in tok.items()}, params, f64(pool)[live], -5.0)
     # f32 token recurrence over 4 tokens: measured ~1e-7, bound 1e-6.
-    assert rmse_ratio(o[:3], o_want) < 1e-6
+    assert rel_rmse(o[:3], o_want) < 1e-6
     for n in range(3):
       for t in range(S1):
         if SPEC_SLOTS[n, t] >= 0:
-          assert rmse_ratio(new[SPEC_SLOTS[n, t]], states[t + 1, n]) < 1e-6
+          assert rel_rmse(new[SPEC_SLOTS[n, t]], states[t + 1, n]) < 1e-6
 
 
 def test_speculative_rollback_equals_replaying_accepted_prefix():
@@ -163,6 +163,6 @@ def test_speculative_rollback_equals_replaying_accepted_prefix():
     replay = {k: np.concatenate([f64(tok1[k][n:n + 1, :a]), f64(tok2[k][n:n + 1])], axis=1) for k in tok1}
     o_want, states = oracle_rows(replay, params, h0[n:n + 1], None)
     # f32 token recurrence over <= 8 tokens: measured <= 2.2e-7, bound 1e-6.
-    assert rmse_ratio(o2[n], o_want[0, a:]) < 1e-6
+    assert rel_rmse(o2[n], o_want[0, a:]) < 1e-6
     for t in range(S1):
-      assert rmse_ratio(pool2[int(slots[n, t])], states[a + t + 1, 0]) < 1e-6
+      assert rel_rmse(pool2[int(slots[n, t])], states[a + t + 1, 0]) < 1e-6

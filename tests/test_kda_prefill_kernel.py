@@ -20,21 +20,12 @@ import pytest
 
 from pallas_kernels import kda
 from pallas_kernels.kda import prefill_kernel
+from pallas_kernels.testing import kda_gate_params, rel_rmse
 
 SMALL = dict(lens=(70, 0, 30), H=1, K=64, V=64)
 LARGE = dict(lens=(0, 1, 63, 64, 65, 1300), H=4, K=128, V=128)
 TOL = {jnp.dtype(jnp.float32): 1e-2, jnp.dtype(jnp.bfloat16): 2e-2}
 POISON = 1e30
-
-
-def _rel_rmse(ref: np.ndarray, x: np.ndarray) -> float:
-  """RMSE of ``x - ref`` over the RMS of ``ref`` (the plain RMSE for an all-zero ``ref``, 0 for empty ones);
-  NaN anywhere gives NaN, which fails every ``<`` bound."""
-  ref, x = np.asarray(ref, np.float64), np.asarray(x, np.float64)
-  if not ref.size:
-    return 0.0
-  err, rms = np.sqrt(np.mean((ref - x) ** 2)), np.sqrt(np.mean(ref ** 2))
-  return float(err / rms if rms else err)
 
 
 def _problem(seed: int, lens, H: int, K: int, V: int, *, saturated: bool, state_dtype, lower_bound):
@@ -45,10 +36,8 @@ def _problem(seed: int, lens, H: int, K: int, V: int, *, saturated: bool, state_
   T = int(sum(lens))
   f = lambda *s: rng.normal(size=s).astype(np.float32)
   g_raw = f(T, H, K) * 2 + (3.0 if saturated else 0.0)
-  dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), size=(H, K)))
-  x = dict(q=f(T, H, K), k=f(T, H, K), v=f(T, H, V), g_raw=g_raw, beta_raw=f(T, H),
-           A_log=np.log(rng.uniform(1, 16, size=H)).astype(np.float32),
-           dt_bias=np.log(np.expm1(dt)).astype(np.float32))
+  x = dict(q=f(T, H, K), k=f(T, H, K), v=f(T, H, V), g_raw=g_raw, beta_raw=f(T, H))
+  x["A_log"], x["dt_bias"] = kda_gate_params(rng, H, K)
   cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
   N = len(lens)
   # Slots: sequence n writes slot n + 1 (slot 0 stays untouched); the last non-empty sequence uses -1,
@@ -140,13 +129,13 @@ def _check(o, new_pool, ref_o, ref_pool, pool_in, arrays, tol, T, H, V):
   assert o.shape == (T, H, V) and new_pool.shape == pool_in.shape and new_pool.dtype == pool_in.dtype
   o64, new64, in64 = (np.asarray(a, np.float64) for a in (o, new_pool, pool_in))
   assert np.isfinite(o64).all()
-  assert _rel_rmse(ref_o, o64) < tol, _rel_rmse(ref_o, o64)
+  assert rel_rmse(o64, ref_o) < tol, rel_rmse(o64, ref_o)
   slots = arrays["state_indices"]
   written = set(slots[(slots >= 0) & ((np.diff(arrays["cu_seqlens"]) > 0) | ~arrays["has_initial_state"])].tolist())
   written |= set(int(c) for c in arrays["checkpoint_slots"] if c >= 0)
   for p in range(pool_in.shape[0]):
     if p in written:
-      assert _rel_rmse(ref_pool[p], new64[p]) < tol, (p, _rel_rmse(ref_pool[p], new64[p]))
+      assert rel_rmse(new64[p], ref_pool[p]) < tol, (p, rel_rmse(new64[p], ref_pool[p]))
     else:  # untouched (poisoned, or the slot of an empty sequence with an initial state): bitwise unchanged
       np.testing.assert_array_equal(np.asarray(new_pool[p]).view(np.uint8), np.asarray(pool_in[p]).view(np.uint8))
 

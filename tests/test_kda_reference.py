@@ -1,4 +1,5 @@
-"""KDA references (gate, token recurrence, chunked WY) against a float64 NumPy oracle written here."""
+"""KDA references (gate, token recurrence, chunked WY) against the float64 NumPy oracles of
+``pallas_kernels.testing``."""
 
 import jax
 import jax.numpy as jnp
@@ -6,51 +7,13 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda import reference as ref
+from pallas_kernels.testing import kda_gate_oracle, kda_recurrence_oracle, rel_rmse
 
 
 _STATIC = ("scale", "l2norm_qk", "lower_bound", "chunk_size")
 # Module-level jits so parametrized cases with equal shapes and statics compile once.
 recurrent = jax.jit(ref.kda_recurrent_reference, static_argnames=_STATIC[:2])
 chunked = jax.jit(ref.kda_chunk_reference, static_argnames=_STATIC)
-
-
-def oracle_gate(g_raw, A_log, dt_bias, lower_bound):
-  """Spec §2.2 in float64."""
-  x = np.asarray(g_raw, np.float64) + np.asarray(dt_bias, np.float64)
-  rate = np.exp(np.asarray(A_log, np.float64))[:, None]
-  if lower_bound is None:
-    return -rate * np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
-  return lower_bound * np.exp(-np.logaddexp(0.0, -rate * x))
-
-
-def oracle_recurrence(q, k, v, g, beta, scale, h0=None, l2norm=True):
-  """Spec §3 in float64 with a K-first state ``S [B, H, K, V]`` (the transpose of the code's layout).
-
-  Returns o ``[B, T, H, V]`` and the states after every token ``[T + 1, B, H, V, K]`` (V-first, entry 0 =
-  the initial state) so tests can read prefix states.
-  """
-  q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
-  if l2norm:
-    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
-    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
-  B, T, H, K = q.shape
-  V = v.shape[-1]
-  S = np.zeros((B, H, K, V)) if h0 is None else np.swapaxes(np.asarray(h0, np.float64), -1, -2).copy()
-  o = np.zeros((B, T, H, V))
-  states = [np.swapaxes(S, -1, -2)]
-  for t in range(T):
-    S = np.exp(g[:, t])[..., None] * S
-    err = v[:, t] - np.einsum("bhkv,bhk->bhv", S, k[:, t])
-    S = S + k[:, t, :, :, None] * (beta[:, t, :, None] * err)[:, :, None, :]
-    o[:, t] = scale * np.einsum("bhkv,bhk->bhv", S, q[:, t])
-    states.append(np.swapaxes(S, -1, -2))
-  return o, np.stack(states)
-
-
-def rmse_ratio(x, want):
-  x, want = np.asarray(x, np.float64), np.asarray(want, np.float64)
-  assert np.isfinite(x).all()
-  return float(np.sqrt(np.mean((x - want) ** 2) / np.mean(want ** 2)))
 
 
 def make_inputs(seed, B, T, H, K, V, *, lower_bound, raw_gate_scale=1.0, A_log=None):
@@ -76,7 +39,7 @@ def test_gate_matches_oracle(lower_bound):
   dt_bias = (0.1 * rng.standard_normal((H, K))).astype(np.float32)
   got = ref.kda_gate(jnp.asarray(g_raw), jnp.asarray(A_log), jnp.asarray(dt_bias), lower_bound=lower_bound)
   assert got.dtype == jnp.float32 and got.shape == g_raw.shape
-  want = oracle_gate(g_raw, A_log, dt_bias, lower_bound)
+  want = kda_gate_oracle(g_raw, A_log, dt_bias, lower_bound)
   # f32 exp/log1p/sigmoid: a few ulps relative. Deep tails (|g| < 1e-12, where f32 sigmoid/softplus lose
   # relative accuracy) are irrelevant next to O(1) decays: atol 1e-12.
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=1e-12)
@@ -116,10 +79,10 @@ def test_recurrent_vs_oracle(lower_bound):
   o, s = recurrent(q, k, v, g, beta, initial_state=h0)
   assert o.shape == (B, T, H, V) and o.dtype == jnp.float32
   assert s.shape == (B, H, V, K) and s.dtype == jnp.float32
-  o_want, states = oracle_recurrence(q, k, v, g, beta, K ** -0.5, h0)
+  o_want, states = kda_recurrence_oracle(q, k, v, g, beta, K ** -0.5, h0)
   # f32 token recurrence: errors stay at a few f32 ulps (measured ~1e-7).
-  assert rmse_ratio(o, o_want) < 1e-6
-  assert rmse_ratio(s, states[-1]) < 1e-6
+  assert rel_rmse(o, o_want) < 1e-6
+  assert rel_rmse(s, states[-1]) < 1e-6
 
 
 # (lower_bound, raw-gate scale, A_log, tolerance). Measured RMSE ratios vs the float64 oracle (o / state):
@@ -148,11 +111,11 @@ def test_chunk_vs_recurrent(lower_bound, raw_gate_scale, A_log, tol):
   assert o.shape == (B, T, H, V) and o.dtype == jnp.float32
   assert s.shape == (B, H, V, K) and s.dtype == jnp.float32
   o_rec, s_rec = recurrent(q, k, v, g, beta, initial_state=h0)
-  o_want, states = oracle_recurrence(q, k, v, g, beta, K ** -0.5, h0)
-  assert rmse_ratio(o, o_want) < tol
-  assert rmse_ratio(s, states[-1]) < tol
-  assert rmse_ratio(o, o_rec) < tol
-  assert rmse_ratio(s, s_rec) < tol
+  o_want, states = kda_recurrence_oracle(q, k, v, g, beta, K ** -0.5, h0)
+  assert rel_rmse(o, o_want) < tol
+  assert rel_rmse(s, states[-1]) < tol
+  assert rel_rmse(o, o_rec) < tol
+  assert rel_rmse(s, s_rec) < tol
 
 
 def test_saturated_case_defeats_a_shared_anchor():

@@ -4,7 +4,6 @@ The oracles (``np_*``) are also used by tests/test_model.py for the whole-model 
 (params, activations, caches); tolerances are a few f32 ulps scaled by the reduction lengths.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from k3jax.layers.mlp import MLP
 from k3jax.layers.moe import MoE
 from k3jax.layers.norms import RMSNorm
 from pallas_kernels.kda import short_conv
+from support import fast_jit
 
 F32 = dict(dtype=jnp.float32, param_dtype=jnp.float32, cache_dtype=jnp.float32, conv_dtype=jnp.float32,
            state_dtype=jnp.float32, partial_dtype=jnp.float32, impl="xla")
@@ -28,20 +28,6 @@ ATOL, RTOL = 2e-4, 2e-4
 
 def tiny(name="tiny", **kw):
   return cfg_lib.preset(name, **{**F32, **kw})
-
-
-def fast_jit(fn):
-  """``jax.jit`` compiled at XLA backend optimisation level 0: CPU compiles of the KDA/MoE graphs drop from
-  ~30 s to ~6 s on this 2-core machine, the numerics are the same ops. Cached per input structure."""
-  cache = {}
-
-  def wrapped(*args):
-    key = jax.tree.structure(args), tuple((a.shape, a.dtype) for a in jax.tree.leaves(args))
-    if key not in cache:
-      cache[key] = jax.jit(fn).lower(*args).compile(compiler_options={"xla_backend_optimization_level": 0})
-    return cache[key](*args)
-
-  return wrapped
 
 
 def run_module(module, fn, *args):

@@ -22,6 +22,7 @@ from hypothesis import example, given, strategies as st
 from pallas_kernels import _util
 from pallas_kernels.kda import KdaConfig, kda_decode
 from pallas_kernels.kda.short_conv import short_conv_update
+from pallas_kernels.testing import kda_gate_params
 from support import budget
 from test_kda_decode_kernel import _check as _check_decode
 from test_kda_prefill_kernel import TOL as PREFILL_TOL, _check as _check_prefill_pool, _run as _run_prefill, _to_jax
@@ -39,11 +40,9 @@ SEEDS = st.integers(0, 2**31 - 1)
 
 
 def _gate_params(rng: np.random.Generator, kind: str, H: int, K: int) -> tuple[np.ndarray, np.ndarray]:
-  """``A_log [H]`` and ``dt_bias [H, K]``: FLA's init (rate in [1, 16], dt in [1e-3, 1e-1]), or an extreme
-  rate (``A_log`` 16 or 20: decays of 1e4 per token and more with the softplus gate)."""
-  a_log = {"init": np.log(rng.uniform(1, 16, H)), "A_log=16": np.full(H, 16.0), "A_log=20": np.full(H, 20.0)}[kind]
-  dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), size=(H, K)))
-  return a_log.astype(np.float32), np.log(np.expm1(dt)).astype(np.float32)
+  """``A_log [H]`` and ``dt_bias [H, K]``: the model's init, or an extreme rate (``A_log`` 16 or 20: decays
+  of 1e4 per token and more with the softplus gate)."""
+  return kda_gate_params(rng, H, K, A_log={"init": None, "A_log=16": 16.0, "A_log=20": 20.0}[kind])
 
 
 def _raw_tokens(rng: np.random.Generator, lead: tuple[int, ...], H: int, K: int, V: int, spiky: bool) -> dict:

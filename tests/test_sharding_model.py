@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from test_layers import fast_jit
+from support import fast_jit
 
 from k3jax import cache as cache_lib, model as model_lib, ops, padding, sharding, steps
 from k3jax.config import KDA, PAGE_SIZE, preset
@@ -164,7 +164,7 @@ def test_sharded_step_checks_values_and_runs_an_empty_prefill(tiny):
   assert out is cache
 
 
-# CPU compiles at XLA backend optimisation level 0 (test_layers.fast_jit): several times faster, same ops.
+# CPU compiles at XLA backend optimisation level 0 (support.fast_jit): several times faster, same ops.
 FAST = {"xla_backend_optimization_level": 0}
 
 

@@ -177,7 +177,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w1: jax
     act: ``act(gate, up)`` on f32 ``[M, I]`` -> f32 (the gated activation).
     dtype: compute dtype of the grouped matmuls (f32 accumulation).
     impl: the model's kernel backend (``K3Config.impl``); ``"interpret"`` runs the Hopper kernel in
-      Mosaic GPU interpret mode (on the CPU, also on a mesh).
+      Mosaic GPU interpret mode (on the CPU; one device at a time, see ``pallas_kernels._interpret``).
 
   Returns:
     ``[T, De]`` f32, replicated.
