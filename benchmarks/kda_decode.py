@@ -16,7 +16,7 @@ Timings:
 * ``fla_graph``: FLA replayed from a CUDA graph of ``GRAPH_CALLS`` calls (host overhead excluded);
 * ``fla_kernel``: FLA's kernel device time from CUPTI.
 GB/s counts the state read + write once (``2 * N * H * V * K * itemsize``); the fraction is against the
-4.27 TB/s device-to-device copy measured on this GPU kind (``shared/spec/mosaic-gpu-notes.md``).
+4.27 TB/s device-to-device copy measured on this GPU kind (``benchmarks/_harness.py``, RESULTS.md).
 ``vs FLA`` = the faster of FLA's graph and kernel times over ``ours_kernel``; ``max|do|`` the larger of the two
 paths' largest difference from FLA's ``o``.
 

@@ -88,7 +88,7 @@ def _run(inputs, pool, arrays, impl: str, **config):
 
 
 def _oracle(inputs, pool, arrays, *, lower_bound, scale=None):
-  """float64 token recurrence (kda.md §3) over the packed sequences, with the pool semantics."""
+  """float64 token recurrence over the packed sequences, with the pool semantics."""
   x = {n: np.asarray(a, np.float64) for n, a in inputs.items()}
   pool = np.asarray(pool, np.float64)
   a = {n: np.asarray(v) for n, v in arrays.items()}

@@ -120,7 +120,7 @@ def test_chunk_vs_recurrent(lower_bound, raw_gate_scale, A_log, tol):
 
 def test_saturated_case_defeats_a_shared_anchor():
   """The saturated softplus inputs of ``test_chunk_vs_recurrent`` really need per-pair diagonal blocks: a
-  single midpoint anchor over one 16-token block already overflows f32 on them (spec §4.3)."""
+  single midpoint anchor over one 16-token block already overflows f32 on them."""
   g = make_inputs(2, 2, 200, 2, 16, 32, lower_bound=None, raw_gate_scale=30.0, A_log=float(np.log(16.0)))[3]
   G = np.cumsum(g[0, :16], axis=0, dtype=np.float32) * np.float32(ref.LOG2E)
   with np.errstate(over="ignore"):

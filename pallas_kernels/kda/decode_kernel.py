@@ -14,7 +14,7 @@ pool is updated in place: it is passed as a ``jax.new_ref`` (``plgpu.kernel`` ha
 ``input_output_aliases``); like every impl of ``kda_decode`` it does not donate the pool itself: inside an
 enclosing jit that donates the pool the update happens in place.
 
-Per token, with ``S`` V-first ``[BV, K]`` (spec ``kda.md`` §3, §7), all in f32:
+Per token, with ``S`` V-first ``[BV, K]``, all in f32:
 ``S *= exp(g)[None, :]``, ``u = beta * (v - S k)``, ``S += u k^T``, ``o = scale * S q``; q and k are
 L2-normalised inside (eps 1e-6 added to the sum of squares), the gate and ``sigmoid(beta_raw)`` too.
 The norms are folded into row vectors (``S k = (S k_raw) / |k_raw|``), so no vector is reduced on its own.

@@ -10,7 +10,8 @@ __all__ = ["GATE_FLOOR", "L2NORM_EPS", "gate"]
 
 
 def gate(x: jax.Array, a: jax.Array, lower_bound: float | None) -> jax.Array:
-  """Gate activation of ``kda.md`` §2.2 on ``x = g_raw + dt_bias`` (f32); ``a = exp(A_log[h])``; natural log."""
+  """The KDA gate on ``x = g_raw + dt_bias`` (f32), ``a = exp(A_log[h])``, natural log: ``-a softplus(x)``, or
+  ``lower_bound * sigmoid(a x)`` with a lower bound (``reference.kda_gate``)."""
   if lower_bound is not None:
     return lower_bound / (1.0 + jnp.exp(-a * x))
   # log(1 + e^x) instead of log1p: Mosaic GPU has no log1p; the absolute error stays ~1e-7.

@@ -2,13 +2,13 @@
 
 One program per (chunk slot, head), one warpgroup. From the raw inputs of the chunk it computes the gate,
 the chunk-local cumulative gate ``G`` (log2 units), the L2 norms, β, the intra-chunk matrices ``Aqk`` and
-``L`` (``kda.md`` §4.1), ``A = (I + L)^-1`` and writes, per chunk and head, to chunk-padded workspaces:
+``L`` (strictly lower triangular, ``L[r, j] = β_r k̂_r · k̂_j 2^(G_r - G_j)``), ``A = (I + L)^-1`` and writes, per chunk and head, to chunk-padded workspaces:
 
 * ``qg = scale · q̂ ⊙ 2^G`` and ``kg = k̂ ⊙ 2^(G_last − G)``  (``[C, K]`` bf16),
 * ``wn = −A (β k̂ ⊙ 2^G)`` (``[C, K]``) and ``u = A (β v)`` (``[C, V]``) bf16,
 * ``aqk`` (``[C, C]`` bf16, causal incl. the diagonal, scale folded in), ``gam = 2^G_last`` (``[K]`` f32).
 
-Safe anchoring (``kda.md`` §4.3): 2^(G_r − G_j) is factored per 16-row query block b around an anchor row
+Safe anchoring: 2^(G_r − G_j) is factored per 16-row query block b around an anchor row
 of that block, ``2^(G_r − ν_b) · 2^(ν_b − G_j)``. With the lower-bound gate the anchor is the block
 midpoint (every factor within ±8 tokens, |exponent| <= 8·5·log2 e ≈ 58) and the diagonal blocks use it too;
 with the unbounded softplus gate the anchor is the block's first row (factors <= 1 for the off-diagonal
@@ -202,7 +202,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     # raw_q is read and every g_pad read is done in every warp before their memory takes the tiles.
     plgpu.commit_smem()
 
-    # Tiles. Every factor is a pairwise-safe exponent (kda.md §4.3): 2^(G - G_anchor) bounded by ±58
+    # Tiles. Every factor is a pairwise-safe exponent (see the anchoring above): 2^(G - G_anchor) bounded by ±58
     # (lower-bound gate) or <= 1 (softplus gate), 2^G, 2^(G_last - G) and the keys' 2^(ν_b - G) <= 2^58,
     # with keys past block b cut to 2^-inf = 0 by a per-row -inf added to the exponent.
     gamma_row = jnp.exp2(G)

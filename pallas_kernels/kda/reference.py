@@ -1,10 +1,10 @@
 """Pure-JAX KDA references: gate, token recurrence, chunked WY prefill (varlen, pool, checkpoints), decode.
 
-Short and unoptimised on purpose: plain ``jnp`` in f32 with ``Precision.HIGHEST`` dots. Math and notation
-follow ``shared/spec/kda.md`` §2-§7. Every state here, in arguments, results and pools, uses the V-first
-layout ``[..., H, V, K]`` (the transpose of FLA's default K-first ``[..., H, K, V]``): ``S[v, k]``.
+Short and unoptimised on purpose: plain ``jnp`` in f32 with ``Precision.HIGHEST`` dots. Every state here, in
+arguments, results and pools, uses the V-first layout ``[..., H, V, K]`` (the transpose of FLA's default
+K-first ``[..., H, K, V]``): ``S[v, k]``.
 
-Recurrence per head (§3), with ``S`` V-first, ``alpha = exp(g)`` decaying the K axis::
+Recurrence per head, with ``S`` V-first, ``alpha = exp(g)`` decaying the K axis::
 
   S <- S * exp(g_t)[None, :];  u = beta_t (v_t - S k_t);  S <- S + u k_t^T;  o_t = scale * S q_t
 """
@@ -37,7 +37,7 @@ def l2norm(x: jax.Array) -> jax.Array:
 
 def kda_gate(g_raw: jax.Array, A_log: jax.Array, dt_bias: jax.Array, *,
              lower_bound: float | None = None) -> jax.Array:
-  """The KDA forget-gate activation (spec §2.2): natural-log per-channel decay ``g <= 0``.
+  """The KDA forget-gate activation: natural-log per-channel decay ``g <= 0``.
 
   * ``lower_bound=None`` (Kimi-Linear): ``g = -exp(A_log) * softplus(g_raw + dt_bias)``, softplus with
     threshold 20 (``x`` itself above 20). Unbounded below.
@@ -110,7 +110,7 @@ def kda_recurrent_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arr
 
 
 # ------------------------------------------------------------------------------------------------------
-# Chunked WY algorithm (spec §4).
+# Chunked WY algorithm: chunk-parallel intra-chunk matrices, then a sequential pass of chunk states.
 
 
 def _span_sums(g: jax.Array, lo: jax.Array, hi: jax.Array) -> jax.Array:
@@ -154,7 +154,7 @@ def _intra_chunk(a: jax.Array, b: jax.Array, g: jax.Array, bounded: bool) -> jax
   """Lower-triangular (diagonal included) ``[P, C, C]`` matrices of ``sum_d a_p,i b_j 2^(G_i - G_j)``
   (``a [P, C, K]``, ``b, g [C, K]``, ``G`` the cumulative log2 gate ``g``), built from 16x16 sub-blocks:
   diagonal blocks by ``_diag_block``; an off-diagonal block (i > j) anchored just before the first row of
-  query sub-block i, so both factors are <= 1 (spec §4.3)."""
+  query sub-block i, so both factors are <= 1."""
   P, C, K = a.shape
   nb = C // SUB_BLOCK
   r = jnp.arange(C)
@@ -176,7 +176,7 @@ def _intra_chunk(a: jax.Array, b: jax.Array, g: jax.Array, bounded: bool) -> jax
 
 def _chunk_prep(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *, scale: float,
                 bounded: bool) -> tuple[jax.Array, ...]:
-  """The chunk-parallel part of one (chunk, head) (spec §4.1/§4.2 stages 1-2).
+  """The chunk-parallel part of one (chunk, head): the intra-chunk matrices and the WY factors.
 
   Args: q, k ``[C, K]`` L2-normalised, v ``[C, V]``, g ``[C, K]`` activated, beta ``[C]``; rows past the
   sequence end must hold k = 0, g = 0, beta = 0 (then they neither decay nor write the state).
@@ -202,7 +202,7 @@ def _chunk_prep(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
 
 
 def _chunk_state_step(state: jax.Array, prep: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-  """One chunk of the sequential stage for all heads (spec §4.2 stages 3-4): state ``[H, V, K]`` f32 at the
+  """One chunk of the sequential stage for all heads (output, then state update): state ``[H, V, K]`` f32 at the
   chunk start -> (o ``[C, H, V]``, state at the chunk end)."""
   qg, aqk, w, u, kg, gamma = prep
   e = u - _einsum("hck,hvk->hcv", w, state)
@@ -388,7 +388,7 @@ def kda_decode_reference(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Ar
   One-token form: q ``[N, H, K]``, state_indices ``[N]``: the slot is read and written in place.
   Speculative form: q ``[N, 1 + S, H, K]``, state_indices ``[N, 1 + S]``, num_accepted ``[N]``: the state is
   read from column ``num_accepted[n] - 1`` and the state after token t written to column t (-1 columns are
-  not written), so a verifier can roll back (spec §7). A row whose read slot is -1 is padding: output 0,
+  not written), so a verifier can roll back. A row whose read slot is -1 is padding: output 0,
   nothing read or written. Each token's state is rounded to the pool dtype before the next token uses it,
   so the speculative form equals ``1 + S`` successive one-token calls also for a bf16 pool.
 

@@ -14,11 +14,11 @@ ROPE_DIM = 64  # Dr
 PAGE_SIZE = 64
 NUM_SMS = 132  # H100/H200 SXM: the split heuristic assumes this machine, so CPU and GPU pick the same splits.
 ROW_TILE = 64  # query-head rows per kernel program (one wgmma M tile)
-MIN_PAGES_PER_SPLIT = 16  # spec mla.md §3.6: below ~1024 tokens a split's partial traffic rivals its KV bytes.
+MIN_PAGES_PER_SPLIT = 16  # below ~1024 tokens a split's partial (o, lse) traffic rivals its KV bytes.
 
 
 def choose_num_splits(batch: int, num_heads: int, max_pages: int) -> int:
-  """Splits of the KV length for ``num_splits=None``, from static shapes only (spec ``mla.md`` §4.2-4.3).
+  """Splits of the KV length for ``num_splits=None``, from static shapes only.
 
   The kernel runs one program per (64-head tile, split, sequence), about one per SM. With
   ``programs = batch * ceil(num_heads / 64)``: no split when the programs already fill 80% of the SMs;
@@ -107,7 +107,7 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
 
 def merge_partials(o_parts: jax.Array, lse_parts: jax.Array, *,
                    out_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
-  """Log-sum-exp merge of ``S`` normalised partials (spec ``mla.md`` §3.4).
+  """Log-sum-exp merge of ``S`` normalised partials.
 
   A part with LSE ``-inf`` is empty (no tokens) and contributes nothing, whatever its ``o`` holds. A NaN or
   ``+inf`` LSE comes from a non-finite input (a NaN or inf in q or in a token's cache row) and makes the

@@ -6,7 +6,7 @@ Three warpgroups: a memory warpgroup issues one TMA per 64-token page, ``kv_cach
 (the whole ``[64, 576]`` bf16 tile, tiling ``(8, 64)`` + 128-byte swizzle), into a two-slot ring; two
 compute warpgroups share every tile, so each tile is read from HBM once for all heads of the tile.
 
-Per page, in f32 and the base-2 domain (spec ``mla.md`` §3.2):
+Per page, in f32 and the base-2 domain (online softmax):
   * warpgroup 0 (the leader) computes ``S = q @ kv^T`` (``[64, 64]``, K = 576) once for all heads of the
     tile, masks tokens past ``seq_len`` to ``-inf``, runs the online softmax (running max from ``-1e30``,
     ``exp2``, row sums ``l``) and stores ``P`` (bf16) and the rescale ``alpha`` into SMEM;

@@ -1,4 +1,4 @@
-"""Pure-JAX references of absorbed MLA decode over a paged latent cache (spec ``mla.md`` §1.3, §3).
+"""Pure-JAX references of absorbed MLA decode over a paged latent cache, and its split-K partials.
 
 Layout everywhere: ``kv_cache [pages, page_size, Dc + Dr]``; a row is ``[c_kv (Dc) | k_pe (Dr)]`` and V is
 its first ``Dc`` columns. Token ``t`` of sequence ``b`` is row ``t % page_size`` of page
