@@ -32,8 +32,9 @@ import numpy as np
 
 from benchmarks._harness import cupti_kernels
 from pallas_kernels.mla import MlaDecodeConfig, api, mla_decode
+from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM
 
-DIM, PAGE = 576, 64
+DIM, PAGE = LATENT_DIM + ROPE_DIM, PAGE_SIZE
 SCALE = 192 ** -0.5
 XLA_MAX_TOKENS = 1 << 20
 WATCHDOG_S = 120  # a deadlocked kernel blocks forever; dump the stacks and exit instead

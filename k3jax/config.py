@@ -29,11 +29,12 @@ import jax.numpy as jnp
 
 from pallas_kernels import KdaConfig, MlaDecodeConfig
 from pallas_kernels import _util
-from pallas_kernels.mla.api import LATENT_DIM, ROPE_DIM
+from pallas_kernels.mla import config as mla_config
+from pallas_kernels.mla.config import LATENT_DIM, ROPE_DIM
 
+PAGE_SIZE = mla_config.PAGE_SIZE  # tokens per page of the MLA latent cache (the MLA ops')
 KDA = "kda"
 MLA = "mla"
-PAGE_SIZE = 64  # tokens per page of the MLA latent cache (fixed by ``mla_decode``)
 
 _FLOAT = (jnp.float32, jnp.bfloat16)
 

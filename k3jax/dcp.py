@@ -31,7 +31,7 @@ from pallas_kernels import _util
 from pallas_kernels import mla as mla_ops
 from pallas_kernels.mla import MlaDecodeConfig, merge_partials
 from pallas_kernels.mla import reference as mla_reference
-from pallas_kernels.mla.api import LATENT_DIM
+from pallas_kernels.mla.config import LATENT_DIM
 
 Q_NAMES = ("batch", "heads", "kv_latent")
 LSE_NAMES = ("batch", "heads")

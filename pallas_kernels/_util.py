@@ -4,6 +4,7 @@ Every check raises ``ValueError`` (bad input) naming the argument, what was expe
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,10 @@ import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 IMPLS: tuple[str, ...] = ("xla", "pallas", "interpret")
+# Streaming multiprocessors of an H100/H200 SXM: grid heuristics size for this machine, so CPU and GPU pick the
+# same grids (and the CPU tests draw the GPU's choices).
+NUM_SMS = 132
+LOG2E = math.log2(math.e)
 
 
 def cdiv(a: int, b: int) -> int:

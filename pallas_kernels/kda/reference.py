@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-LOG2E = 1.4426950408889634
+from pallas_kernels import _util
+
+LOG2E = _util.LOG2E
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
 SUB_BLOCK = 16

@@ -43,8 +43,7 @@ BLOCKS = (1024, 512, 256, 128)  # channels per program, widest first; 128 thread
 MAX_VEC = 8  # channels per thread and access: 16 bytes of bf16
 # Grid sizing for an H200 (132 SMs): at least one program per SM, and rows grouped per program (the taps
 # are loaded once per program) only while about 16 resident programs per SM remain.
-NUM_SMS = 132
-TARGET_PROGRAMS = 16 * NUM_SMS
+TARGET_PROGRAMS = 16 * _util.NUM_SMS
 MAX_ROWS = 4
 # Prefill token programs: BT tokens each, widest first; rows are loaded UNROLL at a time (independent loads in
 # flight per thread), so every BT is a multiple of UNROLL.
@@ -58,7 +57,7 @@ def plan(n: int, d: int) -> tuple[int, int]:
   The widest block that still gives every SM a program (small batches are latency bound: more programs
   issue more loads at once), then as many rows per program as keep ``TARGET_PROGRAMS`` programs.
   """
-  block = next((b for b in BLOCKS if n * _util.cdiv(d, b) >= NUM_SMS), BLOCKS[-1])
+  block = next((b for b in BLOCKS if n * _util.cdiv(d, b) >= _util.NUM_SMS), BLOCKS[-1])
   rows = max(1, min(MAX_ROWS, n * _util.cdiv(d, block) // TARGET_PROGRAMS))
   return block, rows
 

@@ -7,12 +7,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _util
 from pallas_kernels.mla import kernel, reference
-from pallas_kernels.mla.config import MlaDecodeConfig
-
-LATENT_DIM = 512  # Dc: kv_lora_rank; V is the first Dc cache columns.
-ROPE_DIM = 64  # Dr
-PAGE_SIZE = 64
-NUM_SMS = 132  # H100/H200 SXM: the split heuristic assumes this machine, so CPU and GPU pick the same splits.
+from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM, MlaDecodeConfig
 ROW_TILE = 64  # query-head rows per kernel program (one wgmma M tile)
 MIN_PAGES_PER_SPLIT = 16  # below ~1024 tokens a split's partial (o, lse) traffic rivals its KV bytes.
 
@@ -28,12 +23,12 @@ def choose_num_splits(batch: int, num_heads: int, max_pages: int) -> int:
   """
   programs = batch * _util.cdiv(num_heads, ROW_TILE)
   max_splits = max(1, max_pages // MIN_PAGES_PER_SPLIT)
-  if programs >= 0.8 * NUM_SMS or max_splits == 1:
+  if programs >= 0.8 * _util.NUM_SMS or max_splits == 1:
     return 1
 
   def efficiency(s):
-    waves = programs * s / NUM_SMS
-    return waves / _util.cdiv(programs * s, NUM_SMS)
+    waves = programs * s / _util.NUM_SMS
+    return waves / _util.cdiv(programs * s, _util.NUM_SMS)
 
   best = max(efficiency(s) for s in range(1, max_splits + 1))
   return next(s for s in range(1, max_splits + 1) if efficiency(s) >= 0.85 * best)

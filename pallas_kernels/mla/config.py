@@ -6,6 +6,10 @@ import jax.numpy as jnp
 
 from pallas_kernels import _util
 
+LATENT_DIM = 512  # Dc: kv_lora_rank; V is the first Dc cache columns.
+ROPE_DIM = 64  # Dr
+PAGE_SIZE = 64  # tokens per page of the paged latent cache
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class MlaDecodeConfig:

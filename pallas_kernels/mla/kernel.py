@@ -39,16 +39,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _interpret, _util
+from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM
 from pallas_kernels.mla.reference import pages_per_split
 
 ROWS = 64  # query-head rows per program: one wgmma M tile
-PAGE = 64
-LATENT = 512
-DIM = 576
+PAGE = PAGE_SIZE
+LATENT = LATENT_DIM
+DIM = LATENT_DIM + ROPE_DIM
 COLS = LATENT // 2  # output columns per compute warpgroup
 STAGES = 2  # KV ring slots: a third [64, 576] tile would exceed the 227 KiB of SMEM
 COMPUTE_WGS = 2
-LOG2E = math.log2(math.e)
+LOG2E = _util.LOG2E
 LN2 = math.log(2.0)
 INIT_MAX = -1e30  # finite: exp2(INIT_MAX - m) is 0 and never (-inf) - (-inf)
 
