@@ -156,9 +156,9 @@ class MlaLayer(nnx.Module):
     # with seq >= n; within it ``pos`` grows with the token index, so causal by index is causal by position.
     cu_seqlens = jnp.searchsorted(seq, jnp.arange(block_table.shape[0] + 1, dtype=seq.dtype),
                                   side="left").astype(jnp.int32)
-    # impl="xla" until the Mosaic GPU prefill kernel exists (the default impl on Hopper would raise).
+    # The op's default impl (its blockwise XLA path) until its Mosaic GPU kernel exists.
     o_new, lse_new = mla_prefill_attention(q, k_nope, lat[:, r:], v, cu_seqlens=cu_seqlens,
-                                           config=MlaPrefillConfig(scale=cfg.mla_scale, impl="xla"))
+                                           config=MlaPrefillConfig(scale=cfg.mla_scale))
     token_prefix = prefix_lens[seq]
 
     def attend_prefix():

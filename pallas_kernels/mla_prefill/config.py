@@ -14,7 +14,8 @@ class MlaPrefillConfig:
     scale: softmax scale on the logits ``q . [k_nope | k_rope]``, a finite float > 0; None means
       ``(Dn + Dr) ** -0.5`` (q's last dim). K3 uses ``192 ** -0.5``.
     impl: "xla" (blockwise flash-style pure JAX), "pallas" or "interpret" (the Mosaic GPU kernel, not written
-      yet: both raise ``NotImplementedError``). Default: "pallas" on a Hopper GPU, else "xla".
+      yet: both raise ``NotImplementedError``). Default "xla" everywhere until the kernel exists (the other
+      ops default to "pallas" on a Hopper GPU; this one would then raise by default).
     block_q: query rows per block of the blockwise "xla" path (tuning only).
     block_k: key rows per block of the blockwise "xla" path (tuning only). Its working set per step is the
       f32 score block ``[H, block_q, block_k]`` plus one key block, so memory is O(T * H * D + H * block_q *
@@ -22,7 +23,7 @@ class MlaPrefillConfig:
   """
 
   scale: float | None = None
-  impl: str = dataclasses.field(default_factory=_util.default_impl)
+  impl: str = "xla"
   block_q: int = 256
   block_k: int = 512
 
