@@ -499,8 +499,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-  from pallas_kernels import _util
-  args.impl = args.impl or ("xla" if args.dtype == "float32" else _util.default_impl())
+  from pallas_kernels import util
+  args.impl = args.impl or ("xla" if args.dtype == "float32" else util.default_impl())
   mesh = sharding.make_mesh(args.devices)
   platform = mesh.devices.flat[0].platform
   # CPU: -O0 compiles several times faster and runs the same ops (the tiny run is compile-bound).

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import KDA, PAGE_SIZE, K3Config
-from pallas_kernels import _util
+from pallas_kernels import util
 
 
 @jax.tree_util.register_dataclass
@@ -94,7 +94,7 @@ def init_cache(cfg: K3Config, num_seqs: int, max_seq_len: int, *, num_slots: int
   """
   if num_seqs < 1 or max_seq_len < 1:
     raise ValueError(f"num_seqs and max_seq_len must be >= 1, got {num_seqs} and {max_seq_len}")
-  max_pages = _util.cdiv(max_seq_len, PAGE_SIZE)
+  max_pages = util.cdiv(max_seq_len, PAGE_SIZE)
   slots = slots or SlotAllocator(num_slots or num_seqs)
   pages = pages or SlotAllocator(num_pages or num_seqs * max_pages)
   state_indices = np.asarray(slots.allocate(num_seqs), np.int32)

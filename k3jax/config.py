@@ -28,7 +28,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from pallas_kernels import KdaConfig, MlaDecodeConfig
-from pallas_kernels import _util
+from pallas_kernels import util
 from pallas_kernels.mla import config as mla_config
 from pallas_kernels.mla.config import LATENT_DIM, ROPE_DIM
 
@@ -134,12 +134,12 @@ class K3Config:
   partial_dtype: Any = jnp.bfloat16
   cache_dtype: Any = jnp.bfloat16
   conv_dtype: Any = jnp.bfloat16
-  impl: str = dataclasses.field(default_factory=_util.default_impl)
+  impl: str = dataclasses.field(default_factory=util.default_impl)
 
   def __post_init__(self):
     for name in ("dtype", "param_dtype", "state_dtype", "partial_dtype", "cache_dtype", "conv_dtype"):
-      object.__setattr__(self, name, _util.canonical_dtype(name, getattr(self, name), _FLOAT))
-    object.__setattr__(self, "impl", _util.canonical_impl(self.impl))
+      object.__setattr__(self, name, util.canonical_dtype(name, getattr(self, name), _FLOAT))
+    object.__setattr__(self, "impl", util.canonical_impl(self.impl))
     object.__setattr__(self, "layer_types", tuple(self.layer_types))
     positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kda_num_heads",

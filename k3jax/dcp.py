@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax import sharding
-from pallas_kernels import _util
+from pallas_kernels import util
 from pallas_kernels import mla as mla_ops
 from pallas_kernels.mla import MlaDecodeConfig, merge_partials
 from pallas_kernels.mla import reference as mla_reference
@@ -45,7 +45,7 @@ def local_lens(seq_lens: jax.Array, rank, n: int) -> jax.Array:
 
 def pages_per_device(seq_len: int, n: int, page_size: int = 64) -> int:
   """Local pages a sequence of ``seq_len`` tokens needs on its fullest device (device 0)."""
-  return _util.cdiv(_util.cdiv(seq_len, n), page_size)
+  return util.cdiv(util.cdiv(seq_len, n), page_size)
 
 
 def capacity(max_pages: int, n: int | None = None, page_size: int = 64) -> int:
@@ -128,7 +128,7 @@ def dcp_mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array
   sharding.check_divisible("q_abs", q_abs.shape, Q_NAMES, mesh)
   sharding.check_divisible("kv_cache", kv_cache.shape, CACHE_NAMES, mesh)
   local_cache = jax.ShapeDtypeStruct((kv_cache.shape[0] // n,) + kv_cache.shape[1:], kv_cache.dtype)
-  lens = _util.concrete(seq_lens)
+  lens = util.concrete(seq_lens)
   # Device 0 holds the most tokens of every sequence: checking its lengths and pages checks all devices.
   mla_reference.validate_decode_inputs(q_abs, local_cache, block_table,
                                        seq_lens if lens is None else local_lens(lens, 0, n),
@@ -179,18 +179,18 @@ def dcp_write(kv_cache: jax.Array, block_table: jax.Array, seq_ids: jax.Array, p
   Raises:
     ValueError: malformed shapes or dtypes, or (when concrete) a token past the block table's capacity.
   """
-  _util.check_dtype("block_table", block_table, (jnp.int32,))
-  _util.check_dtype("seq_ids", seq_ids, (jnp.int32,))
-  _util.check_dtype("positions", positions, (jnp.int32,))
-  _util.check_dtype("kv_new", kv_new, _util.FLOAT_DTYPES)
+  util.check_dtype("block_table", block_table, (jnp.int32,))
+  util.check_dtype("seq_ids", seq_ids, (jnp.int32,))
+  util.check_dtype("positions", positions, (jnp.int32,))
+  util.check_dtype("kv_new", kv_new, util.FLOAT_DTYPES)
   if kv_cache.ndim != 3 or block_table.ndim != 2 or seq_ids.ndim != 1:
     raise ValueError(f"kv_cache must be (pages, page_size, D), block_table (B, max_pages) and seq_ids (T,), "
                      f"got {tuple(kv_cache.shape)}, {tuple(block_table.shape)} and {tuple(seq_ids.shape)}")
-  _util.check_shape("positions", positions, seq_ids.shape)
-  _util.check_shape("kv_new", kv_new, (seq_ids.shape[0], kv_cache.shape[2]))
+  util.check_shape("positions", positions, seq_ids.shape)
+  util.check_shape("kv_new", kv_new, (seq_ids.shape[0], kv_cache.shape[2]))
   sharding.check_divisible("kv_cache", kv_cache.shape, CACHE_NAMES, mesh)
   n = sharding.mesh_size(mesh)
-  ids, pos = _util.concrete(seq_ids), _util.concrete(positions)
+  ids, pos = util.concrete(seq_ids), util.concrete(positions)
   if ids is not None and pos is not None:
     limit = capacity(block_table.shape[1], n, kv_cache.shape[1])
     used = (ids >= 0) & (pos >= 0)
@@ -218,6 +218,6 @@ def dcp_append_token(kv_cache: jax.Array, block_table: jax.Array, seq_lens: jax.
   Returns:
     The updated cache; the caller then increments ``seq_lens``.
   """
-  _util.check_shape("seq_lens", seq_lens, (block_table.shape[0],))
+  util.check_shape("seq_lens", seq_lens, (block_table.shape[0],))
   seq_ids = jnp.arange(block_table.shape[0], dtype=jnp.int32)
   return dcp_write(kv_cache, block_table, seq_ids, seq_lens, kv_new, mesh=mesh)

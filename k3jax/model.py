@@ -24,7 +24,7 @@ from k3jax.layers.mla import MlaLayer
 from k3jax.layers.mlp import MLP
 from k3jax.layers.moe import MoE
 from k3jax.layers.norms import RMSNorm
-from pallas_kernels import _util
+from pallas_kernels import util
 from pallas_kernels.kda import checks
 
 # ``attend(self_attn, h, entry) -> (y, entry)``: the layer's attention (prefill or decode) on the normalised
@@ -34,7 +34,7 @@ Attend = Callable[[nnx.Module, jax.Array, object], tuple[jax.Array, object]]
 
 def _check_token_ids(tokens: jax.Array, vocab_size: int) -> None:
   """Token ids in ``[0, vocab_size)`` when concrete: the embedding gather would wrap or clamp any other id."""
-  ids = _util.concrete(tokens)
+  ids = util.concrete(tokens)
   if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
     raise ValueError(f"tokens must be ids in [0, vocab_size = {vocab_size}), got values in "
                      f"[{ids.min()}, {ids.max()}]")
@@ -56,13 +56,13 @@ def check_prefill_inputs(tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelC
     ValueError: naming the argument, what was expected and what was given.
   """
   num_seqs, max_pages = cache.block_table.shape
-  _util.check_shape("tokens", tokens, (None,))
-  _util.check_dtype("tokens", tokens, (jnp.int32,))
-  _util.check_shape("cu_seqlens", cu_seqlens, (num_seqs + 1,))
-  _util.check_dtype("cu_seqlens", cu_seqlens, (jnp.int32,))
+  util.check_shape("tokens", tokens, (None,))
+  util.check_dtype("tokens", tokens, (jnp.int32,))
+  util.check_shape("cu_seqlens", cu_seqlens, (num_seqs + 1,))
+  util.check_dtype("cu_seqlens", cu_seqlens, (jnp.int32,))
   _check_token_ids(tokens, vocab_size)
   t = tokens.shape[0]
-  cu, cached = _util.concrete(cu_seqlens), _util.concrete(cache.seq_lens)
+  cu, cached = util.concrete(cu_seqlens), util.concrete(cache.seq_lens)
   checks.check_pointer("cu_seqlens", cu, t, f"T = {t}")
   if cu is not None:
     total = np.diff(cu) + (cached if cached is not None else 0)
@@ -85,10 +85,10 @@ def check_decode_inputs(tokens: jax.Array, cache: ModelCache, *, vocab_size: int
     ValueError: naming the argument, what was expected and what was given.
   """
   num_seqs, max_pages = cache.block_table.shape
-  _util.check_shape("tokens", tokens, (num_seqs,))
-  _util.check_dtype("tokens", tokens, (jnp.int32,))
+  util.check_shape("tokens", tokens, (num_seqs,))
+  util.check_dtype("tokens", tokens, (jnp.int32,))
   _check_token_ids(tokens, vocab_size)
-  cached = _util.concrete(cache.seq_lens)
+  cached = util.concrete(cache.seq_lens)
   limit = dcp.capacity(max_pages, page_size=PAGE_SIZE)
   if cached is not None and cached.max(initial=0) >= limit:
     raise ValueError(f"cache.seq_lens must be < the cache capacity {limit} (room for one more token per "

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax import cache as cache_lib, model as model_lib, sharding
 from k3jax.cache import ModelCache
-from pallas_kernels import _util
+from pallas_kernels import util
 
 
 def init_mesh_cache(cfg, num_seqs: int, max_seq_len: int, mesh: jax.sharding.Mesh, *,
@@ -41,7 +41,7 @@ def init_mesh_cache(cfg, num_seqs: int, max_seq_len: int, mesh: jax.sharding.Mes
   n = sharding.mesh_size(mesh)
 
   def build():
-    local = cache_lib.init_cache(cfg, num_seqs, _util.cdiv(max_seq_len, n), fill=fill)
+    local = cache_lib.init_cache(cfg, num_seqs, util.cdiv(max_seq_len, n), fill=fill)
     mla = tuple(jnp.full((n * x.shape[0],) + x.shape[1:], fill, x.dtype) for x in local.mla)
     return local.replace(mla=mla)
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _util
+from pallas_kernels import util
 
 TILE = 64  # one wgmma tile: M = N = K = 64 (one warpgroup, 128-byte swizzle for bf16)
 
@@ -43,14 +43,14 @@ def smoke_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     ``[64, 64]`` f32.
   """
   for name, x in (("a", a), ("b", b)):
-    _util.check_shape(name, x, (TILE, TILE))
-    _util.check_dtype(name, x, (jnp.bfloat16,))
+    util.check_shape(name, x, (TILE, TILE))
+    util.check_dtype(name, x, (jnp.bfloat16,))
   kernel = plgpu.kernel(
       _smoke_body,
       out_type=jax.ShapeDtypeStruct((TILE, TILE), jnp.float32),
       scratch_types=(
-          plgpu.SMEM((TILE, TILE), jnp.bfloat16, transforms=_util.smem_transforms(jnp.bfloat16, TILE)),
-          plgpu.SMEM((TILE, TILE), jnp.bfloat16, transforms=_util.smem_transforms(jnp.bfloat16, TILE)),
+          plgpu.SMEM((TILE, TILE), jnp.bfloat16, transforms=util.smem_transforms(jnp.bfloat16, TILE)),
+          plgpu.SMEM((TILE, TILE), jnp.bfloat16, transforms=util.smem_transforms(jnp.bfloat16, TILE)),
           plgpu.SMEM((TILE, TILE), jnp.float32),
           plgpu.Barrier(num_barriers=2),
       ),

@@ -7,11 +7,11 @@ jax.config.update("jax_num_cpu_devices", 9)
 
 import pytest  # noqa: E402
 
-from pallas_kernels import _interpret, _util  # noqa: E402
+from pallas_kernels import mosaic_interpret, util  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-  if _util.is_hopper_gpu():
+  if util.is_hopper_gpu():
     return
   skip = pytest.mark.skip(reason="needs a Hopper GPU (sm_90a)")
   for item in items:
@@ -23,10 +23,10 @@ def pytest_collection_modifyitems(config, items):
 def _fresh_interpreter():
   """A failed interpreted kernel must not fail every later one: the interpreter's state is process-wide."""
   yield
-  _interpret.reset_state()
+  mosaic_interpret.reset_state()
 
 
 @pytest.fixture
 def kernel_impl() -> str:
   """The kernel backend a kernel test runs: compiled on a Hopper GPU, interpret mode elsewhere."""
-  return "pallas" if _util.is_hopper_gpu() else "interpret"
+  return "pallas" if util.is_hopper_gpu() else "interpret"

@@ -14,13 +14,13 @@ import os
 import jax
 from hypothesis import HealthCheck, Phase, settings
 
-from pallas_kernels import _util
+from pallas_kernels import util
 
 
 def budget(cpu: int, gpu: int) -> settings:
   """``hypothesis.settings`` for a randomized test: ``cpu`` examples without a Hopper GPU, ``gpu`` with one."""
   scale = float(os.environ.get("K3JAX_EXAMPLES", "1"))
-  on_gpu = _util.is_hopper_gpu()
+  on_gpu = util.is_hopper_gpu()
   # No shrinking: each example compiles or interprets kernels, so shrinking a failure would cost minutes;
   # the failing example is printed as drawn.
   return settings(max_examples=max(1, round((gpu if on_gpu else cpu) * scale)), deadline=None,

@@ -20,7 +20,7 @@ from k3jax.cache import init_cache
 from k3jax.layers import moe
 from k3jax.layers.moe import MoE
 from k3jax.model import KimiK3Model
-from pallas_kernels import _interpret
+from pallas_kernels import mosaic_interpret
 
 BF16 = jnp.bfloat16
 BLOCK = moe.MGPU_BLOCKS["block_n"]  # 128: the widths below divide by it and by block_k
@@ -94,7 +94,7 @@ def test_rows_past_the_groups_are_left_unwritten():
   rng = np.random.default_rng(1)
   lhs = jnp.asarray(rng.standard_normal((256, BLOCK)), BF16)
   rhs = jnp.asarray(rng.standard_normal((2, BLOCK, BLOCK)), BF16)
-  with _interpret.interpret_mode():
+  with mosaic_interpret.interpret_mode():
     out = np.asarray(moe._grouped_matmul(lhs, rhs, jnp.asarray([70, 60], jnp.int32), None, "mgpu"), np.float32)
   assert np.isnan(out[130:]).all() and not np.isnan(out[:130]).any()
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _interpret
+from pallas_kernels import mosaic_interpret
 from pallas_kernels._smoke import smoke_matmul
 
 
@@ -30,7 +30,7 @@ def _check(out, a, b):
 def test_smoke_interpret_matches_dot():
   # Interpret mode keeps its barrier bookkeeping per device: pin the inputs to one device.
   a, b = (jax.device_put(x, jax.devices()[0]) for x in _inputs())
-  with _interpret.interpret_mode():
+  with mosaic_interpret.interpret_mode():
     out = smoke_matmul(a, b)
   _check(out, a, b)
 

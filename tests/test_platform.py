@@ -1,7 +1,7 @@
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _util
+from pallas_kernels import util
 from pallas_kernels.kda import KdaConfig
 from pallas_kernels.mla import MlaDecodeConfig
 
@@ -12,8 +12,8 @@ def test_nine_cpu_devices():
 
 
 def test_default_impl_decided_in_one_place():
-  expected = "pallas" if _util.is_hopper_gpu() else "xla"
-  assert _util.default_impl() == expected
+  expected = "pallas" if util.is_hopper_gpu() else "xla"
+  assert util.default_impl() == expected
   assert KdaConfig().impl == expected
   assert MlaDecodeConfig().impl == expected
 

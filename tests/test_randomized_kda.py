@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import example, given, strategies as st
 
-from pallas_kernels import _util
+from pallas_kernels import util
 from pallas_kernels.kda import KdaConfig, kda_decode
 from pallas_kernels.kda.short_conv import short_conv_update
 from pallas_kernels.testing import kda_gate_params
@@ -29,7 +29,7 @@ from test_kda_prefill_kernel import TOL as PREFILL_TOL, _check as _check_prefill
 from test_short_conv_kernel import (BF16, BF16_TOL, F32, F32_TOL, _assert_bitwise_equal, _check_prefill, _inputs,
                                     _prefill_both, _prefill_inputs)
 
-ON_GPU = _util.is_hopper_gpu()
+ON_GPU = util.is_hopper_gpu()
 # (H, K = V): small in interpret mode, the model's head size compiled.
 HEADS, HEAD_DIM = (4, 128) if ON_GPU else (1, 64)
 CONV_D = 3 * 4 * 128 if ON_GPU else 256  # short conv channels (a multiple of the kernel's 128)

@@ -14,12 +14,12 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pallas_kernels import _util
+from pallas_kernels import util
 from pallas_kernels.mla import MlaDecodeConfig, merge_partials, mla_decode
 from support import budget
 from test_mla_oracle import LATENT, PAD_IDS, PAGE, ROPE, SCALE, merge_oracle, oracle
 
-ON_GPU = _util.is_hopper_gpu()
+ON_GPU = util.is_hopper_gpu()
 # Interpret mode simulates every warpgroup, copy and barrier, so CPU examples stay small: a few sequences of
 # up to 13 pages. Hq = 72 gives a second, mostly empty head tile. On the GPU: K3's 16 or 128 heads per
 # device (and 96: one full tile and a half-used one), contexts of up to 8K tokens.

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels import _util
+from pallas_kernels import util
 from pallas_kernels.kda import short_conv_kernel
 from pallas_kernels.kda.short_conv import short_conv_prefill, short_conv_update
 
@@ -185,7 +185,7 @@ def test_plan_fills_the_gpu(n, d):
   assert 1 <= rows <= short_conv_kernel.MAX_ROWS
   programs = -(-d // block) * -(-n // rows)
   # Enough programs for every SM when there are enough channels; 16-byte bf16 accesses for big batches.
-  assert programs >= min(_util.NUM_SMS, n * d // 128)
+  assert programs >= min(util.NUM_SMS, n * d // 128)
   if n * d >= 1024 * short_conv_kernel.TARGET_PROGRAMS:
     assert block == 1024 and programs >= short_conv_kernel.TARGET_PROGRAMS
 

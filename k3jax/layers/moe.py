@@ -22,7 +22,7 @@ from k3jax.config import K3Config
 from k3jax.layers.mlp import MLP, gated_act
 from k3jax.layers.norms import RMSNorm
 from k3jax.sharding import MODEL, ambient_mesh, shard_kernel
-from pallas_kernels import _interpret, _util
+from pallas_kernels import mosaic_interpret, util
 
 
 # Block sizes of the Hopper grouped matmul (``ragged_dot_mgpu``): the fastest of those timed on an H200 for
@@ -69,10 +69,10 @@ def grouped_matmul_backend(impl: str, dtype, rows: int, widths: Sequence[int], e
     experts: the experts of one device (``E / N`` on a mesh of N).
 
   Raises:
-    ValueError: ``impl`` is not one of ``_util.IMPLS``, or ``rows`` or ``experts`` is not an int >= 0.
+    ValueError: ``impl`` is not one of ``util.IMPLS``, or ``rows`` or ``experts`` is not an int >= 0.
   """
-  if impl not in _util.IMPLS:
-    raise ValueError(f"impl must be one of {_util.IMPLS}, got {impl!r}")
+  if impl not in util.IMPLS:
+    raise ValueError(f"impl must be one of {util.IMPLS}, got {impl!r}")
   for name, value in (("rows", rows), ("experts", experts)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
       raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -137,7 +137,7 @@ def _experts_on(x, experts, weights, w1, w3, w2, *, first, act, dtype, backend, 
                                row_group=jnp.minimum(group[copy], num_local - 1), backend=backend)
     token = copy // k
     xs = x[token]
-    with _interpret.interpret_mode(interpret):
+    with mosaic_interpret.interpret_mode(interpret):
       gate, up = matmul(xs, w1), matmul(xs, w3)
       h = act(gate.astype(jnp.float32), up.astype(jnp.float32)).astype(dtype)
       y = matmul(h, w2).astype(jnp.float32)
@@ -177,7 +177,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w1: jax
     act: ``act(gate, up)`` on f32 ``[M, I]`` -> f32 (the gated activation).
     dtype: compute dtype of the grouped matmuls (f32 accumulation).
     impl: the model's kernel backend (``K3Config.impl``); ``"interpret"`` runs the Hopper kernel in
-      Mosaic GPU interpret mode (on the CPU; one device at a time, see ``pallas_kernels._interpret``).
+      Mosaic GPU interpret mode (on the CPU; one device at a time, see ``pallas_kernels.mosaic_interpret``).
 
   Returns:
     ``[T, De]`` f32, replicated.

@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _util
+from pallas_kernels import util
 from pallas_kernels.kda import checks, decode_kernel, prefill_kernel, reference
 from pallas_kernels.kda.config import KdaConfig
 
@@ -32,23 +32,23 @@ def _check_inputs(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, config: 
                   lead_ndim: int) -> tuple[int, int, int, int]:
   """Shapes/dtypes shared by prefill and decode; ``lead_ndim`` token axes precede ``[H, K]``.
   Returns ``(H, K, V, P)``."""
-  _util.check_shape("q", q, (None,) * (lead_ndim + 2))
+  util.check_shape("q", q, (None,) * (lead_ndim + 2))
   lead, (H, K) = tuple(q.shape[:lead_ndim]), tuple(q.shape[lead_ndim:])
-  _util.check_dtype("q", q, _util.FLOAT_DTYPES)
-  _util.check_shape("k", k, lead + (H, K))
+  util.check_dtype("q", q, util.FLOAT_DTYPES)
+  util.check_shape("k", k, lead + (H, K))
   _check_same("k", k, "q", q)
-  _util.check_shape("v", v, lead + (H, None))
+  util.check_shape("v", v, lead + (H, None))
   _check_same("v", v, "q", q)
   V = v.shape[-1]
-  _util.check_shape("g_raw", g_raw, lead + (H, K))
-  _util.check_dtype("g_raw", g_raw, _util.FLOAT_DTYPES)
-  _util.check_shape("beta_raw", beta_raw, lead + (H,))
-  _util.check_dtype("beta_raw", beta_raw, _util.FLOAT_DTYPES)
-  _util.check_shape("A_log", A_log, (H,))
-  _util.check_dtype("A_log", A_log, (jnp.float32,))
-  _util.check_shape("dt_bias", dt_bias, (H, K))
-  _util.check_dtype("dt_bias", dt_bias, (jnp.float32,))
-  _util.check_shape("state_pool", state_pool, (None, H, V, K))
+  util.check_shape("g_raw", g_raw, lead + (H, K))
+  util.check_dtype("g_raw", g_raw, util.FLOAT_DTYPES)
+  util.check_shape("beta_raw", beta_raw, lead + (H,))
+  util.check_dtype("beta_raw", beta_raw, util.FLOAT_DTYPES)
+  util.check_shape("A_log", A_log, (H,))
+  util.check_dtype("A_log", A_log, (jnp.float32,))
+  util.check_shape("dt_bias", dt_bias, (H, K))
+  util.check_dtype("dt_bias", dt_bias, (jnp.float32,))
+  util.check_shape("state_pool", state_pool, (None, H, V, K))
   if jnp.dtype(state_pool.dtype) != config.state_dtype:
     raise ValueError(f"state_pool must have config.state_dtype ({config.state_dtype.name}), "
                      f"got {jnp.dtype(state_pool.dtype).name}")

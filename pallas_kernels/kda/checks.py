@@ -1,6 +1,6 @@
 """Index checks shared by the KDA ops and the short convolution: varlen prefill and pool-slot decode arguments.
 
-Shapes and dtypes are always checked; index *values* only when the arrays are concrete (``_util.concrete``), so
+Shapes and dtypes are always checked; index *values* only when the arrays are concrete (``util.concrete``), so
 the checks cost nothing under ``jax.jit``. Every failure is a ``ValueError`` naming the argument, what was
 expected and what was given. Kept apart from ``api`` so that the short convolution does not import the kernels.
 """
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import _util
+from pallas_kernels import util
 
 
 def _dtype_names(dtypes: tuple) -> str:
@@ -18,8 +18,8 @@ def _dtype_names(dtypes: tuple) -> str:
 
 def check_index(name: str, x: jax.Array, shape: tuple, dtypes: tuple) -> None:
   """Shape (``None`` entries: any size) and integer dtype of an index array."""
-  _util.check_shape(name, x, shape)
-  _util.check_dtype(name, x, dtypes)
+  util.check_shape(name, x, shape)
+  util.check_dtype(name, x, dtypes)
 
 
 def check_pointer(name: str, ptr: np.ndarray | None, end: int, end_text: str) -> None:
@@ -92,10 +92,10 @@ def check_prefill_indices(num_tokens: int, num_slots: int, pool_name: str, *, cu
   Returns:
     Whether the checkpoint arrays were given.
   """
-  _util.check_shape("cu_seqlens", cu_seqlens, (None,))
+  util.check_shape("cu_seqlens", cu_seqlens, (None,))
   if cu_seqlens.shape[0] < min_seqs + 1:
     raise ValueError(f"cu_seqlens must have shape (N + 1,) with N >= {min_seqs}, got {tuple(cu_seqlens.shape)}")
-  _util.check_dtype("cu_seqlens", cu_seqlens, int_dtypes)
+  util.check_dtype("cu_seqlens", cu_seqlens, int_dtypes)
   n = cu_seqlens.shape[0] - 1
   check_pool_size(num_slots, pool_name)
   check_index("state_indices", state_indices, (n,), int_dtypes)
@@ -110,17 +110,17 @@ def check_prefill_indices(num_tokens: int, num_slots: int, pool_name: str, *, cu
     check_index("checkpoint_offsets", checkpoint_offsets, (None,), int_dtypes)
     check_index("checkpoint_slots", checkpoint_slots, checkpoint_offsets.shape, int_dtypes)
 
-  cu, slots = _util.concrete(cu_seqlens), _util.concrete(state_indices)
+  cu, slots = util.concrete(cu_seqlens), util.concrete(state_indices)
   check_pointer("cu_seqlens", cu, num_tokens, f"T = {num_tokens}")
   check_slot_range("state_indices", slots, num_slots, pool_name)
   written = [("state_indices", slots)]
   if all(given):
-    indptr, offsets = _util.concrete(checkpoint_indptr), _util.concrete(checkpoint_offsets)
+    indptr, offsets = util.concrete(checkpoint_indptr), util.concrete(checkpoint_offsets)
     m = checkpoint_offsets.shape[0]
     check_pointer("checkpoint_indptr", indptr, m, f"M = {m} (len(checkpoint_offsets))")
     if indptr is not None and offsets is not None and cu is not None:
       _check_checkpoint_offsets(offsets, np.repeat(np.diff(cu), np.diff(indptr)), chunk_size)
-    ck_slots = _util.concrete(checkpoint_slots)
+    ck_slots = util.concrete(checkpoint_slots)
     check_slot_range("checkpoint_slots", ck_slots, num_slots, pool_name)
     written.append(("checkpoint_slots", ck_slots))
   check_distinct_writes(written)
@@ -153,12 +153,12 @@ def check_decode_indices(tokens_name: str, tokens_shape: tuple[int, ...], specul
     raise ValueError(f"num_accepted is only for the speculative form ({tokens_name} of shape [N, 1 + S, ...]), "
                      f"got {tokens_name} of shape {tuple(tokens_shape)}")
 
-  slots = _util.concrete(state_indices)
+  slots = util.concrete(state_indices)
   check_slot_range("state_indices", slots, num_slots, pool_name)
   if not speculative:
     check_distinct_writes([("state_indices", slots)])
     return
-  accepted = _util.concrete(num_accepted)
+  accepted = util.concrete(num_accepted)
   if accepted is not None and accepted.size and (accepted.min() < 1 or accepted.max() > lead[1]):
     raise ValueError(f"num_accepted must be in [1, 1 + S] = [1, {lead[1]}], "
                      f"got values in [{accepted.min()}, {accepted.max()}]")

@@ -5,7 +5,7 @@ import math
 
 import jax.numpy as jnp
 
-from pallas_kernels import _util
+from pallas_kernels import util
 
 
 def _to_float(name: str, value) -> float:
@@ -34,12 +34,12 @@ class KdaConfig:
   scale: float | None = None
   chunk_size: int = 64
   state_dtype: jnp.dtype = jnp.float32
-  impl: str = dataclasses.field(default_factory=_util.default_impl)
+  impl: str = dataclasses.field(default_factory=util.default_impl)
 
   def __post_init__(self):
     object.__setattr__(self, "state_dtype",
-                       _util.canonical_dtype("state_dtype", self.state_dtype, (jnp.float32, jnp.bfloat16)))
-    object.__setattr__(self, "impl", _util.canonical_impl(self.impl))
+                       util.canonical_dtype("state_dtype", self.state_dtype, (jnp.float32, jnp.bfloat16)))
+    object.__setattr__(self, "impl", util.canonical_impl(self.impl))
     if self.lower_bound is not None:
       lb = _to_float("lower_bound", self.lower_bound)
       if not -5.0 <= lb < 0.0:  # also false for NaN

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _interpret, _util
+from pallas_kernels import mosaic_interpret, util
 from pallas_kernels.kda.config import KdaConfig
 from pallas_kernels.kda.kernel_math import L2NORM_EPS, gate
 
@@ -216,7 +216,7 @@ def _launch(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool_ref, state_indices, n
         plgpu.SMEM((steps, kdim), g_raw.dtype),
         plgpu.SMEM((steps, BLOCK_V), v.dtype),
         plgpu.SMEM((kdim,), dt_bias.dtype),
-        plgpu.SMEM((BLOCK_V, kdim), state_dtype, transforms=_util.smem_transforms(state_dtype, kdim)),
+        plgpu.SMEM((BLOCK_V, kdim), state_dtype, transforms=util.smem_transforms(state_dtype, kdim)),
         plgpu.SMEM((steps, BLOCK_V), q.dtype),
         plgpu.Barrier(num_barriers=6),
     )
@@ -234,7 +234,7 @@ def _decode(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, state_indices,
   if single:
     q, k, v, g_raw, beta_raw = (x[:, None] for x in (q, k, v, g_raw, beta_raw))
     state_indices = state_indices[:, None]
-  with _interpret.interpret_mode(interpret):
+  with mosaic_interpret.interpret_mode(interpret):
     pool_ref = jax.new_ref(state_pool)
     o = _launch(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool_ref, state_indices.astype(jnp.int32),
                 num_accepted, config=config, state_io=state_io)

@@ -16,10 +16,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _util
+from pallas_kernels import util
 from pallas_kernels.kda import prefill_prep, prefill_state
 from pallas_kernels.kda.config import KdaConfig
-from pallas_kernels._interpret import interpret_mode
+from pallas_kernels.mosaic_interpret import interpret_mode
 
 C = prefill_prep.C
 
@@ -75,7 +75,7 @@ def _prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, cu_seqlens, state_pool, s
   # so stage 1's SMEM fits.
   if q.dtype.itemsize > 2:
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-  num_slots = _util.cdiv(T, C) + N
+  num_slots = util.cdiv(T, C) + N
   chunk_start, nch, lens, tok, rows = _chunk_table(cu_seqlens, num_slots)
   beta_t = jnp.pad(beta_raw.astype(jnp.float32).T, ((0, 0), (0, C)))
   with interpret_mode(interpret):

@@ -41,13 +41,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _util
+from pallas_kernels import util
 from pallas_kernels.kda.kernel_math import GATE_FLOOR, L2NORM_EPS, gate
 
 C = 64  # chunk
 SUB = 16  # sub-block of the safe anchoring
 NSUB = C // SUB
-LOG2E = _util.LOG2E
+LOG2E = util.LOG2E
 
 WG = plgpu.Layout.WGMMA
 ROWV = WG.reduce(1)  # one value per row, broadcast along columns

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _util
+from pallas_kernels import util
 
-LOG2E = _util.LOG2E
+LOG2E = util.LOG2E
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
 SUB_BLOCK = 16

@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _util
+from pallas_kernels import util
 from pallas_kernels.kda import checks, short_conv_kernel
 
 ACTIVATIONS = ("silu", None)
@@ -35,16 +35,16 @@ def _check_common(x, weight, conv_pool, activation, x_shapes: dict[int, str]) ->
   """Shared checks of ``x`` (rank -> shape name), ``weight``, ``conv_pool``, ``activation``; returns W."""
   if x.ndim not in x_shapes:
     raise ValueError(f"x must have shape {' or '.join(x_shapes.values())}, got {tuple(x.shape)}")
-  _util.check_dtype("x", x, _util.FLOAT_DTYPES)
+  util.check_dtype("x", x, util.FLOAT_DTYPES)
   d = x.shape[-1]
   if weight.ndim != 2 or weight.shape[0] != d or weight.shape[1] < 2:
     raise ValueError(f"weight must have shape ({d}, W) with W >= 2, got {tuple(weight.shape)}")
-  _util.check_dtype("weight", weight, _util.FLOAT_DTYPES)
+  util.check_dtype("weight", weight, util.FLOAT_DTYPES)
   width = weight.shape[1]
   if conv_pool.ndim != 3:
     raise ValueError(f"conv_pool must have shape (P, {width - 1}, {d}), got {tuple(conv_pool.shape)}")
-  _util.check_shape("conv_pool", conv_pool, (None, width - 1, d))
-  _util.check_dtype("conv_pool", conv_pool, _util.FLOAT_DTYPES)
+  util.check_shape("conv_pool", conv_pool, (None, width - 1, d))
+  util.check_dtype("conv_pool", conv_pool, util.FLOAT_DTYPES)
   if activation not in ACTIVATIONS:
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
   return width
@@ -100,12 +100,12 @@ def short_conv_prefill(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array
       one slot would be written twice.
     NotImplementedError: a kernel impl with ``D`` not a multiple of 128.
   """
-  impl = _util.canonical_impl(impl)
+  impl = util.canonical_impl(impl)
   _check_common(x, weight, conv_pool, activation, {2: "[T, D]"})
   checks.check_prefill_indices(x.shape[0], conv_pool.shape[0], "conv_pool", cu_seqlens=cu_seqlens,
                                state_indices=state_indices, has_initial_state=has_initial_state,
                                checkpoint_indptr=checkpoint_indptr, checkpoint_offsets=checkpoint_offsets,
-                               checkpoint_slots=checkpoint_slots, int_dtypes=_util.INT_DTYPES)
+                               checkpoint_slots=checkpoint_slots, int_dtypes=util.INT_DTYPES)
   if impl != "xla":
     return short_conv_kernel.short_conv_prefill_mosaic(
         x, weight, cu_seqlens, conv_pool, state_indices, has_initial_state, checkpoint_indptr, checkpoint_offsets,
@@ -186,10 +186,10 @@ def short_conv_update(x: jax.Array, weight: jax.Array, *, conv_pool: jax.Array, 
     NotImplementedError: a kernel impl with ``D`` not a multiple of 128.
   """
   speculative = x.ndim == 3
-  impl = _util.canonical_impl(impl)
+  impl = util.canonical_impl(impl)
   _check_common(x, weight, conv_pool, activation, {2: "[N, D]", 3: "[N, 1 + S, D]"})
   checks.check_decode_indices("x", x.shape, speculative, conv_pool.shape[0], "conv_pool",
-                              state_indices=state_indices, num_accepted=num_accepted, int_dtypes=_util.INT_DTYPES)
+                              state_indices=state_indices, num_accepted=num_accepted, int_dtypes=util.INT_DTYPES)
   if impl != "xla":
     return short_conv_kernel.short_conv_update_mosaic(x, weight, conv_pool, state_indices, num_accepted,
                                                       activation=activation, interpret=impl == "interpret")

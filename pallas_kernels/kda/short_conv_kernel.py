@@ -37,13 +37,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _interpret, _util
+from pallas_kernels import mosaic_interpret, util
 
 BLOCKS = (1024, 512, 256, 128)  # channels per program, widest first; 128 threads x up to 8 channels
 MAX_VEC = 8  # channels per thread and access: 16 bytes of bf16
 # Grid sizing for an H200 (132 SMs): at least one program per SM, and rows grouped per program (the taps
 # are loaded once per program) only while about 16 resident programs per SM remain.
-TARGET_PROGRAMS = 16 * _util.NUM_SMS
+TARGET_PROGRAMS = 16 * util.NUM_SMS
 MAX_ROWS = 4
 # Prefill token programs: BT tokens each, widest first; rows are loaded UNROLL at a time (independent loads in
 # flight per thread), so every BT is a multiple of UNROLL.
@@ -57,8 +57,8 @@ def plan(n: int, d: int) -> tuple[int, int]:
   The widest block that still gives every SM a program (small batches are latency bound: more programs
   issue more loads at once), then as many rows per program as keep ``TARGET_PROGRAMS`` programs.
   """
-  block = next((b for b in BLOCKS if n * _util.cdiv(d, b) >= _util.NUM_SMS), BLOCKS[-1])
-  rows = max(1, min(MAX_ROWS, n * _util.cdiv(d, block) // TARGET_PROGRAMS))
+  block = next((b for b in BLOCKS if n * util.cdiv(d, b) >= util.NUM_SMS), BLOCKS[-1])
+  rows = max(1, min(MAX_ROWS, n * util.cdiv(d, block) // TARGET_PROGRAMS))
   return block, rows
 
 
@@ -69,7 +69,7 @@ def prefill_plan(t: int, d: int) -> tuple[int, int]:
   read before a block are re-read, about 5% more traffic at ``BT = 64``).
   """
   block = plan(t, d)[0]
-  tokens = next((b for b in TOKEN_BLOCKS if _util.cdiv(t, b) * _util.cdiv(d, block) >= TARGET_PROGRAMS),
+  tokens = next((b for b in TOKEN_BLOCKS if util.cdiv(t, b) * util.cdiv(d, block) >= TARGET_PROGRAMS),
                 TOKEN_BLOCKS[-1])
   return block, tokens
 
@@ -186,12 +186,12 @@ def _update(x, weight, conv_pool, state_indices, num_accepted, *, activation, in
   slots = state_indices.astype(jnp.int32)
   # The one-token kernel never reads num_accepted: pass the slots in its place rather than build an array.
   accepted = num_accepted.astype(jnp.int32) if speculative else slots
-  with _interpret.interpret_mode(interpret):
+  with mosaic_interpret.interpret_mode(interpret):
     pool_ref = jax.new_ref(conv_pool)
     y = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        grid=(_util.cdiv(d, block), _util.cdiv(n, rows)),
+        grid=(util.cdiv(d, block), util.cdiv(n, rows)),
         grid_names=("d", "g"),
         scratch_types=(plgpu.SMEM((weight.shape[1], block), jnp.float32),),
     )(x, weight, slots, accepted, pool_ref)
@@ -241,7 +241,7 @@ def _prefill_body(x_ref, w_ref, head_ref, cu_ref, slots_ref, read_ref, ck_ptr_re
   num_tokens, d = x_ref.shape
   width = w_ref.shape[1]
   hist_len = width - 1
-  num_blocks = _util.cdiv(num_tokens, token_block)
+  num_blocks = util.cdiv(num_tokens, token_block)
   g = lax.axis_index("g")
   f32 = jnp.float32
   clamp = lambda t: jnp.clip(t, 0, num_tokens - 1)  # rows at clamped positions are loaded but never used
@@ -313,7 +313,7 @@ def _prefill(x, weight, cu_seqlens, conv_pool, state_indices, has_initial_state,
              checkpoint_offsets, checkpoint_slots, *, activation, interpret, block, token_block):
   num_tokens, d = x.shape
   n, hist_len = state_indices.shape[0], weight.shape[1] - 1
-  num_blocks = _util.cdiv(num_tokens, token_block)
+  num_blocks = util.cdiv(num_tokens, token_block)
   padded = num_blocks * token_block
   cu = cu_seqlens.astype(jnp.int32)
   starts, lengths = cu[:-1], cu[1:] - cu[:-1]
@@ -331,12 +331,12 @@ def _prefill(x, weight, cu_seqlens, conv_pool, state_indices, has_initial_state,
     ck = [jnp.zeros((1,), jnp.int32)] * 3
   body = functools.partial(_prefill_body, block=block, token_block=token_block, checkpoints=checkpoints,
                            activation=activation)
-  with _interpret.interpret_mode(interpret):
+  with mosaic_interpret.interpret_mode(interpret):
     pool_ref = jax.new_ref(conv_pool)
     y = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        grid=(_util.cdiv(d, block), num_blocks + n),
+        grid=(util.cdiv(d, block), num_blocks + n),
         grid_names=("d", "g"),
         scratch_types=(plgpu.SMEM((weight.shape[1], block), jnp.float32),),
     )(x, weight, head, cu, slots, read, *ck, pool_ref)

@@ -5,7 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _util
+from pallas_kernels import util
 from pallas_kernels.mla import kernel, reference
 from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM, MlaDecodeConfig
 ROW_TILE = 64  # query-head rows per kernel program (one wgmma M tile)
@@ -21,14 +21,14 @@ def choose_num_splits(batch: int, num_heads: int, max_pages: int) -> int:
   at least 16 pages, so its partial writes stay small next to its KV reads): the smallest ``s`` whose
   efficiency ``waves / ceil(waves)`` (``waves = programs * s / 132``) is within 85% of the best.
   """
-  programs = batch * _util.cdiv(num_heads, ROW_TILE)
+  programs = batch * util.cdiv(num_heads, ROW_TILE)
   max_splits = max(1, max_pages // MIN_PAGES_PER_SPLIT)
-  if programs >= 0.8 * _util.NUM_SMS or max_splits == 1:
+  if programs >= 0.8 * util.NUM_SMS or max_splits == 1:
     return 1
 
   def efficiency(s):
-    waves = programs * s / _util.NUM_SMS
-    return waves / _util.cdiv(programs * s, _util.NUM_SMS)
+    waves = programs * s / util.NUM_SMS
+    return waves / util.cdiv(programs * s, util.NUM_SMS)
 
   best = max(efficiency(s) for s in range(1, max_splits + 1))
   return next(s for s in range(1, max_splits + 1) if efficiency(s) >= 0.85 * best)
@@ -36,7 +36,7 @@ def choose_num_splits(batch: int, num_heads: int, max_pages: int) -> int:
 
 def effective_num_splits(max_pages: int, num_splits: int) -> int:
   """The splits that hold at least one page slot: ``num_splits`` clamped so that no split is empty by shape."""
-  return _util.cdiv(max_pages, reference.pages_per_split(max_pages, num_splits))
+  return util.cdiv(max_pages, reference.pages_per_split(max_pages, num_splits))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "partial_dtype", "impl", "out_dtype"))
@@ -86,9 +86,9 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
   config = config or MlaDecodeConfig()
   reference.validate_decode_inputs(q_abs, kv_cache, block_table, seq_lens, scale=scale,
                                    latent_dim=LATENT_DIM, page_size=PAGE_SIZE)
-  _util.check_shape("q_abs", q_abs, (None, None, LATENT_DIM + ROPE_DIM))
-  out_dtype = _util.canonical_dtype("out_dtype", q_abs.dtype if out_dtype is None else out_dtype,
-                                    _util.FLOAT_DTYPES)
+  util.check_shape("q_abs", q_abs, (None, None, LATENT_DIM + ROPE_DIM))
+  out_dtype = util.canonical_dtype("out_dtype", q_abs.dtype if out_dtype is None else out_dtype,
+                                    util.FLOAT_DTYPES)
   if config.impl != "xla" and (q_abs.dtype != jnp.bfloat16 or kv_cache.dtype != jnp.bfloat16):
     raise NotImplementedError(f"mla_decode impl={config.impl!r} needs bf16 q_abs and kv_cache, got "
                               f"{jnp.dtype(q_abs.dtype).name} and {jnp.dtype(kv_cache.dtype).name}")
@@ -117,12 +117,12 @@ def merge_partials(o_parts: jax.Array, lse_parts: jax.Array, *,
   Returns:
     ``o [..., Dc]`` in ``out_dtype`` and ``lse [...]`` f32; an all-empty row gives ``(0, -inf)``.
   """
-  _util.check_dtype("o_parts", o_parts, _util.FLOAT_DTYPES)
-  _util.check_dtype("lse_parts", lse_parts, (jnp.float32,))
-  out_dtype = _util.canonical_dtype("out_dtype", out_dtype, _util.FLOAT_DTYPES)
+  util.check_dtype("o_parts", o_parts, util.FLOAT_DTYPES)
+  util.check_dtype("lse_parts", lse_parts, (jnp.float32,))
+  out_dtype = util.canonical_dtype("out_dtype", out_dtype, util.FLOAT_DTYPES)
   if o_parts.ndim < 2:
     raise ValueError(f"o_parts must have shape (S, ..., Dc), got {tuple(o_parts.shape)}")
-  _util.check_shape("lse_parts", lse_parts, tuple(o_parts.shape[:-1]))
+  util.check_shape("lse_parts", lse_parts, tuple(o_parts.shape[:-1]))
   if o_parts.shape[0] < 1:
     raise ValueError(f"o_parts must hold at least one part (S >= 1), got shape {tuple(o_parts.shape)}")
   # max propagates NaN; a +inf part gives exp(inf - inf) = NaN below. Only the all-empty row needs a finite

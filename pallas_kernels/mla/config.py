@@ -4,7 +4,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from pallas_kernels import _util
+from pallas_kernels import util
 
 LATENT_DIM = 512  # Dc: kv_lora_rank; V is the first Dc cache columns.
 ROPE_DIM = 64  # Dr
@@ -24,11 +24,11 @@ class MlaDecodeConfig:
 
   num_splits: int | None = None
   partial_dtype: jnp.dtype = jnp.bfloat16
-  impl: str = dataclasses.field(default_factory=_util.default_impl)
+  impl: str = dataclasses.field(default_factory=util.default_impl)
 
   def __post_init__(self):
     object.__setattr__(self, "partial_dtype",
-                       _util.canonical_dtype("partial_dtype", self.partial_dtype, (jnp.float32, jnp.bfloat16)))
-    object.__setattr__(self, "impl", _util.canonical_impl(self.impl))
+                       util.canonical_dtype("partial_dtype", self.partial_dtype, (jnp.float32, jnp.bfloat16)))
+    object.__setattr__(self, "impl", util.canonical_impl(self.impl))
     if self.num_splits is not None and (not isinstance(self.num_splits, int) or self.num_splits < 1):
       raise ValueError(f"num_splits must be an int >= 1 or None, got {self.num_splits!r}")

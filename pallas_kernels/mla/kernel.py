@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _interpret, _util
+from pallas_kernels import mosaic_interpret, util
 from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM
 from pallas_kernels.mla.reference import pages_per_split
 
@@ -49,7 +49,7 @@ DIM = LATENT_DIM + ROPE_DIM
 COLS = LATENT // 2  # output columns per compute warpgroup
 STAGES = 2  # KV ring slots: a third [64, 576] tile would exceed the 227 KiB of SMEM
 COMPUTE_WGS = 2
-LOG2E = _util.LOG2E
+LOG2E = util.LOG2E
 LN2 = math.log(2.0)
 INIT_MAX = -1e30  # finite: exp2(INIT_MAX - m) is 0 and never (-inf) - (-inf)
 
@@ -64,7 +64,7 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
   first_page = split * pps
   num_pages = jnp.clip(pl.cdiv(seq_len, PAGE) - first_page, 0, pps)
   row0 = pl.multiple_of(hb * ROWS, ROWS)
-  head_blocks = _util.cdiv(out_rows, ROWS)
+  head_blocks = util.cdiv(out_rows, ROWS)
   last_rows = out_rows - (head_blocks - 1) * ROWS
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   along_rows = lambda x, shape: lax.broadcast_in_dim(x, shape, (0,))
@@ -227,12 +227,12 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
 def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, partial_dtype, interpret,
               smem_operands):
   batch, num_heads, dim = q_abs.shape
-  head_blocks = _util.cdiv(num_heads, ROWS)
-  out_rows = _util.cdiv(num_heads, 8) * 8  # TMA stores whole 8-row groups of the tiled staging buffer
+  head_blocks = util.cdiv(num_heads, ROWS)
+  out_rows = util.cdiv(num_heads, 8) * 8  # TMA stores whole 8-row groups of the tiled staging buffer
   q_pad = jnp.pad(q_abs, ((0, 0), (0, head_blocks * ROWS - num_heads), (0, 0)))
   ring = plgpu.RefUnion(
-      plgpu.SMEM((STAGES, PAGE, DIM), kv_cache.dtype, transforms=_util.smem_transforms(kv_cache.dtype, DIM)),
-      plgpu.SMEM((COMPUTE_WGS, ROWS, COLS), partial_dtype, transforms=_util.smem_transforms(partial_dtype, COLS)))
+      plgpu.SMEM((STAGES, PAGE, DIM), kv_cache.dtype, transforms=util.smem_transforms(kv_cache.dtype, DIM)),
+      plgpu.SMEM((COMPUTE_WGS, ROWS, COLS), partial_dtype, transforms=util.smem_transforms(partial_dtype, COLS)))
   kernel = plgpu.kernel(
       functools.partial(_body, pps=pages_per_split(block_table.shape[1], num_splits), out_rows=out_rows,
                         scale=scale, smem_operands=smem_operands),
@@ -243,9 +243,9 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
       scratch_types=(
-          plgpu.SMEM((ROWS, dim), q_abs.dtype, transforms=_util.smem_transforms(q_abs.dtype, dim)),
+          plgpu.SMEM((ROWS, dim), q_abs.dtype, transforms=util.smem_transforms(q_abs.dtype, dim)),
           ring,
-          plgpu.SMEM((ROWS, PAGE), kv_cache.dtype, transforms=_util.smem_transforms(kv_cache.dtype, PAGE)),
+          plgpu.SMEM((ROWS, PAGE), kv_cache.dtype, transforms=util.smem_transforms(kv_cache.dtype, PAGE)),
           plgpu.SMEM((ROWS,), jnp.float32),
           plgpu.SMEM((ROWS,), jnp.float32),
           plgpu.Barrier(),
@@ -256,7 +256,7 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
       ),
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
   )
-  with _interpret.interpret_mode(interpret):
+  with mosaic_interpret.interpret_mode(interpret):
     o_parts, lse_parts = kernel(q_pad, kv_cache, block_table, seq_lens)
   return o_parts[:, :, :num_heads], lse_parts[:, :, :num_heads]
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import _util
+from pallas_kernels import util
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -33,24 +33,24 @@ def validate_decode_inputs(q_abs: jax.Array, kv_cache: jax.Array, block_table: j
   """
   if not isinstance(scale, numbers.Real) or not np.isfinite(scale) or scale <= 0:
     raise ValueError(f"scale must be a finite positive real number, got {scale!r}")
-  _util.check_dtype("q_abs", q_abs, _util.FLOAT_DTYPES)
-  _util.check_dtype("kv_cache", kv_cache, _util.FLOAT_DTYPES)
-  _util.check_dtype("block_table", block_table, (jnp.int32,))
-  _util.check_dtype("seq_lens", seq_lens, _util.INT_DTYPES)
+  util.check_dtype("q_abs", q_abs, util.FLOAT_DTYPES)
+  util.check_dtype("kv_cache", kv_cache, util.FLOAT_DTYPES)
+  util.check_dtype("block_table", block_table, (jnp.int32,))
+  util.check_dtype("seq_lens", seq_lens, util.INT_DTYPES)
   if q_abs.ndim != 3:
     raise ValueError(f"q_abs must have shape (B, Hq, Dc + Dr), got {tuple(q_abs.shape)}")
   batch, _, dim = q_abs.shape
   if dim <= latent_dim:
     raise ValueError(f"q_abs last dim must be Dc + Dr with Dc = {latent_dim} and Dr >= 1, got {dim}")
-  _util.check_shape("kv_cache", kv_cache, (None, page_size, dim))
-  _util.check_shape("block_table", block_table, (batch, None))
-  _util.check_shape("seq_lens", seq_lens, (batch,))
+  util.check_shape("kv_cache", kv_cache, (None, page_size, dim))
+  util.check_shape("block_table", block_table, (batch, None))
+  util.check_shape("seq_lens", seq_lens, (batch,))
   num_pages, page_rows = kv_cache.shape[:2]
   max_pages = block_table.shape[1]
   if batch < 1 or max_pages < 1 or num_pages < 1 or page_rows < 1:
     raise ValueError(f"B, max_pages, pages and page_size must be >= 1, got B={batch}, max_pages={max_pages}, "
                      f"kv_cache shape {tuple(kv_cache.shape)}")
-  lens, table = _util.concrete(seq_lens), _util.concrete(block_table)
+  lens, table = util.concrete(seq_lens), util.concrete(block_table)
   if lens is None or table is None:
     return
   capacity = max_pages * page_rows
@@ -142,7 +142,7 @@ def _unsplit_reference(q_abs, kv_cache, block_table, seq_lens, *, scale, latent_
 
 def pages_per_split(max_pages: int, num_splits: int) -> int:
   """Pages of each split: split ``j`` covers pages ``[j * pps, (j + 1) * pps)`` of every sequence."""
-  return _util.cdiv(max_pages, num_splits)
+  return util.cdiv(max_pages, num_splits)
 
 
 def mla_decode_partials_reference(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array,

@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _util
+from pallas_kernels import util
 from pallas_kernels.mla_prefill import reference
 from pallas_kernels.mla_prefill.config import MlaPrefillConfig
 
@@ -28,7 +28,7 @@ def _blockwise(q, k_nope, k_rope, v, cu_seqlens, *, scale, block_q, block_k):
   t, h, _ = q.shape
   dv = v.shape[-1]
   bq, bk = min(block_q, t), min(block_k, t)
-  nq, nk = _util.cdiv(t, bq), _util.cdiv(t, bk)
+  nq, nk = util.cdiv(t, bq), util.cdiv(t, bk)
   # Padded keys have indices >= T, after every real query, so the causal test drops them. Padded query rows
   # see no key and are sliced off; they only need to stay finite.
   start = _pad_rows(reference.segment_starts(cu_seqlens, t), nq * bq)

@@ -3,7 +3,7 @@
 import dataclasses
 import math
 
-from pallas_kernels import _util
+from pallas_kernels import util
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -28,7 +28,7 @@ class MlaPrefillConfig:
   block_k: int = 512
 
   def __post_init__(self):
-    object.__setattr__(self, "impl", _util.canonical_impl(self.impl))
+    object.__setattr__(self, "impl", util.canonical_impl(self.impl))
     if self.scale is not None:
       try:
         scale = float(self.scale)

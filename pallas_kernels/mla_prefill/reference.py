@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _util
+from pallas_kernels import util
 from pallas_kernels.kda import checks
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -31,23 +31,23 @@ def validate_prefill_inputs(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, 
   Shapes and dtypes are always checked; the values of ``cu_seqlens`` (non-decreasing from 0 to T) only when
   it is concrete (not traced).
   """
-  _util.check_dtype("q", q, _util.FLOAT_DTYPES)
-  _util.check_shape("q", q, (None, None, None))
+  util.check_dtype("q", q, util.FLOAT_DTYPES)
+  util.check_shape("q", q, (None, None, None))
   t, h, dq = q.shape
-  _util.check_shape("k_nope", k_nope, (t, h, None))
+  util.check_shape("k_nope", k_nope, (t, h, None))
   dn = k_nope.shape[-1]
   if dn < 1 or dn > dq:
     raise ValueError(f"k_nope last dim Dn must lie in [1, {dq}] (q's last dim Dn + Dr = {dq}), got {dn}")
-  _util.check_shape("k_rope", k_rope, (t, dq - dn))
-  _util.check_shape("v", v, (t, h, None))
+  util.check_shape("k_rope", k_rope, (t, dq - dn))
+  util.check_shape("v", v, (t, h, None))
   for name, x in (("k_nope", k_nope), ("k_rope", k_rope), ("v", v)):
-    _util.check_dtype(name, x, (q.dtype,))
+    util.check_dtype(name, x, (q.dtype,))
   if h < 1 or v.shape[-1] < 1:
     raise ValueError(f"H and Dv must be >= 1, got H = {h} and v shape {tuple(v.shape)}")
   checks.check_index("cu_seqlens", cu_seqlens, (None,), (jnp.int32,))
   if cu_seqlens.shape[0] < 1:
     raise ValueError(f"cu_seqlens must have shape (N + 1,) with N >= 0, got {tuple(cu_seqlens.shape)}")
-  checks.check_pointer("cu_seqlens", _util.concrete(cu_seqlens), t, f"T = {t}")
+  checks.check_pointer("cu_seqlens", util.concrete(cu_seqlens), t, f"T = {t}")
 
 
 def default_scale(q: jax.Array) -> float:

@@ -1,4 +1,5 @@
-"""Small helpers shared by every op: backend choice, dtype canonicalisation, input checks.
+"""Helpers shared by every op and by ``k3jax``: backend choice, dtype canonicalisation, input checks,
+hardware constants.
 
 Every check raises ``ValueError`` (bad input) naming the argument, what was expected and what was given.
 """

@@ -1,4 +1,5 @@
-"""The only importer of Mosaic GPU interpret mode (a private-looking API that may move between JAX versions).
+"""Mosaic GPU interpret mode for the kernels and their tests; the only importer of its JAX API (private-looking
+and liable to move between JAX versions).
 
 Interpret mode simulates SMEM, TMA, barriers and wgmma on the CPU and catches races; it needs every wgmma
 operand in SMEM and no ``emit_pipeline``, and it fails under ``shard_map`` over several devices: it keeps one
