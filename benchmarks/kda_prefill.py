@@ -3,8 +3,9 @@
 K = V = 128, bf16 inputs, Kimi-K3 lower-bound gate (lb = -5), f32 state; both sides compute the gate, the
 L2 norm of q/k and β = sigmoid inside their kernels. For every shape it prints ms, Mtok/s, FLA-time / our
 time (against the faster of FLA as called and FLA replayed from a CUDA graph), achieved TFLOP/s with the
-FLOP count of the chunked algorithm (6d² + 3Cd + C² per token and head, d = K = V, C = 64) and the fraction of the roofline
-``max(FLOPs / 790 TFLOP/s, bytes / 4.27 TB/s)`` (measured bf16 matmul peak and copy bandwidth of the H200).
+FLOP count of the chunked algorithm (6d² + 3Cd + C² per token and head, d = K = V, C = 64) and the
+fraction of the roofline ``max(FLOPs / 790 TFLOP/s, bytes / 4.27 TB/s)`` (measured bf16 matmul peak and copy
+bandwidth of the H200, ``benchmarks/_harness.py``).
 It also times a bf16 state pool and 1 and 4 checkpoints per sequence, and cross-checks our output against
 FLA's. Results go to stdout and, as JSON, to ``--json``.
 

@@ -174,7 +174,8 @@ def context_cache(cfg: k3jax.K3Config, real: k3jax.K3Config, mesh: jax.sharding.
   def fill(cache: ModelCache, content: dict, seq: jax.Array, pos: jax.Array) -> ModelCache:
     kda = tuple(KdaState(**{name: x.astype(getattr(state, name).dtype) for name, x in new.items()})
                 for state, new in zip(cache.kda, content["kda"]))
-    mla = tuple(ops.mesh_write_rows(kv, rows, cache.block_table, seq, pos) for kv, rows in zip(cache.mla, content["mla"]))
+    mla = tuple(ops.mesh_write_rows(kv, rows, cache.block_table, seq, pos)
+                for kv, rows in zip(cache.mla, content["mla"]))
     return cache.replace(kda=kda, mla=mla, seq_lens=jnp.full((num_seqs,), context, jnp.int32))
 
   shardings = sharding.tree_shardings(mesh, sharding.cache_specs(cfg))

@@ -27,7 +27,7 @@ from pallas_kernels import util
 
 
 def init_mesh_cache(cfg, num_seqs: int, max_seq_len: int, mesh: jax.sharding.Mesh, *,
-               fill: float = 0.0) -> ModelCache:
+                    fill: float = 0.0) -> ModelCache:
   """An empty sharded cache (born sharded) for ``cfg`` (already padded) on ``mesh``.
 
   KDA pools and conv pools are split by heads. Each MLA cache is a DCP cache (``k3jax.dcp``): every device

@@ -2,11 +2,13 @@
 
 One program per (chunk slot, head), one warpgroup. From the raw inputs of the chunk it computes the gate,
 the chunk-local cumulative gate ``G`` (log2 units), the L2 norms, β, the intra-chunk matrices ``Aqk`` and
-``L`` (strictly lower triangular, ``L[r, j] = β_r k̂_r · k̂_j 2^(G_r - G_j)``), ``A = (I + L)^-1`` and writes, per chunk and head, to chunk-padded workspaces:
+``L`` (strictly lower triangular, ``L[r, j] = β_r k̂_r · k̂_j 2^(G_r - G_j)``), ``A = (I + L)^-1`` and
+writes, per chunk and head, to chunk-padded workspaces:
 
 * ``qg = scale · q̂ ⊙ 2^G`` and ``kg = k̂ ⊙ 2^(G_last − G)``  (``[C, K]`` bf16),
-* ``wn = −A (β k̂ ⊙ 2^G)`` (``[C, K]``) and ``u = A (β v)`` (``[C, V]``) bf16,
-* ``aqk`` (``[C, C]`` bf16, causal incl. the diagonal, scale folded in), ``gam = 2^G_last`` (``[K]`` f32).
+* ``neg_w = −A (β k̂ ⊙ 2^G)`` (``[C, K]``) and ``u = A (β v)`` (``[C, V]``) bf16,
+* ``aqk`` (``[C, C]`` bf16, causal incl. the diagonal, scale folded in),
+* ``chunk_decay = 2^G_last`` (``[K]`` f32), the decay of the whole chunk.
 
 Safe anchoring: 2^(G_r − G_j) is factored per 16-row query block b around an anchor row
 of that block, ``2^(G_r − ν_b) · 2^(ν_b − G_j)``. With the lower-bound gate the anchor is the block
@@ -108,8 +110,8 @@ def split(x: jax.Array, parts: int) -> list[jax.Array]:
 
 
 def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_ref,
-               qg_ref, kg_ref, wn_ref, u_ref, aqk_ref, gam_ref,
-               x_q, x_k, x_v, y, anc_s, bar_g, bar_qkv, *,
+               qg_ref, kg_ref, neg_w_ref, u_ref, aqk_ref, decay_ref,
+               x_q, x_k, x_v, y, anchors_s, bar_g, bar_qkv, *,
                K: int, V: int, scale: float, lower_bound: float | None):
   # Register budget: one [C, K] f32 array is 64 registers per thread, so row-dependent factors stay
   # per-row vectors (2 registers) and column-dependent ones per-column vectors, broadcast where used.
@@ -118,7 +120,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
   raw_q, qt_s, (p_s, f_s) = x_q
   raw_k, kd_s, (x_s, aqk_s) = x_k
   raw_v, bv_s = x_v
-  raw_g, (gsplit, tril), ph_diag, (bk_s, st0, st1) = y
+  raw_g, (gsplit, tril), ph_diag, (bk_s, stage_a, stage_b) = y
   c = lax.axis_index("c")
   h = lax.axis_index("h")
   t0 = tok_ref[c]
@@ -157,18 +159,18 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     plgpu.commit_smem()  # the cumsum's operands are dead in every warp before g_pad reuses their memory
 
     # G rows read back as per-column vectors (anchors, last row) from an f32 copy; the anchors move to
-    # anc_s, outside the union, because the tiles overwrite g_pad's memory.
+    # anchors_s, outside the union, because the tiles overwrite g_pad's memory.
     g_pad, k_pad = ph_diag.at[0], None if bounded else ph_diag.at[1]
     g_pad[pl.ds(SUB, C), :] = G
     plgpu.commit_smem()
     g_last = plgpu.load(g_pad.at[SUB + C - 1], layout=COLV, optimized=False)
     for b in range(NSUB):
-      anc_s[b] = plgpu.load(g_pad.at[SUB + b * SUB + off], layout=COLV, optimized=False)
+      anchors_s[b] = plgpu.load(g_pad.at[SUB + b * SUB + off], layout=COLV, optimized=False)
     # Row factor 2^(G[r] - G[anchor of r's block]): each 16-row block is one warp's rows.
     blk = iota((C, K), 0) // SUB
     ex = G
     for b in range(NSUB):
-      nu_b = plgpu.load(anc_s.at[b], layout=COLV, optimized=False)
+      nu_b = plgpu.load(anchors_s.at[b], layout=COLV, optimized=False)
       ex = jnp.where(blk == b, G - bcast_cols(nu_b, (C, K)), ex)
     d_row = jnp.exp2(ex)
 
@@ -208,26 +210,26 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     # with keys past block b cut to 2^-inf = 0 by a per-row -inf added to the exponent.
     gamma_row = jnp.exp2(G)
     qt_s[...] = (q * d_row).astype(bf16)
-    st0[...] = (q * gamma_row).astype(bf16)
+    stage_a[...] = (q * gamma_row).astype(bf16)
     if bounded:
       k = load_l2norm(raw_k, validf)
       plgpu.commit_smem()  # raw_k read in every warp
     kd_s[...] = (k * d_row).astype(bf16)
     bk_s[...] = (k * gamma_row * bcast_rows(beta, (C, K))).astype(bf16)
-    st1[...] = (k * jnp.exp2(bcast_cols(g_last, (C, K)) - G)).astype(bf16)
+    stage_b[...] = (k * jnp.exp2(bcast_cols(g_last, (C, K)) - G)).astype(bf16)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(st0, qg_ref.at[c, h])
-    plgpu.copy_smem_to_gmem(st1, kg_ref.at[c, h])
-    gam_ref[c, h] = jnp.exp2(g_last)
+    plgpu.copy_smem_to_gmem(stage_a, qg_ref.at[c, h])
+    plgpu.copy_smem_to_gmem(stage_b, kg_ref.at[c, h])
+    decay_ref[c, h] = jnp.exp2(g_last)
 
     # Block row b of Aqk and L from the keys of block b (block rows are selected after the matmul); the
-    # key tiles take st0/st1 in pairs once the qg/kg stores have read them.
+    # key tiles take stage_a/stage_b in pairs once the qg/kg stores have read them.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     blocks = list(range(NSUB)) if bounded else list(range(1, NSUB))
     for i in range(0, len(blocks), 2):
-      pair = list(zip(blocks[i:i + 2], (st0, st1)))
+      pair = list(zip(blocks[i:i + 2], (stage_a, stage_b)))
       for b, kb_s in pair:
-        nu_b = plgpu.load(anc_s.at[b], layout=COLV, optimized=False)
+        nu_b = plgpu.load(anchors_s.at[b], layout=COLV, optimized=False)
         cut = jnp.where(rowv < (b + 1 if bounded else b) * SUB, 0.0, -jnp.inf)
         kb_s[...] = (k * jnp.exp2(bcast_cols(nu_b, (C, K)) - G + bcast_rows(cut, (C, K)))).astype(bf16)
       plgpu.commit_smem()
@@ -271,7 +273,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     bk_s[...] = (-w).astype(bf16)
     bv_s[...] = u.astype(bf16)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(bk_s, wn_ref.at[c, h])
+    plgpu.copy_smem_to_gmem(bk_s, neg_w_ref.at[c, h])
     plgpu.copy_smem_to_gmem(bv_s, u_ref.at[c, h])
     plgpu.wait_smem_to_gmem(0)
 
@@ -288,8 +290,8 @@ def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_t: jax
     chunk_tok: ``[S]`` int32 first token of each chunk slot. chunk_len: ``[S]`` int32 valid rows (0..64).
 
   Returns:
-    ``qg [S, H, C, K]``, ``kg [S, H, C, K]``, ``wn [S, H, C, K]``, ``u [S, H, C, V]``, ``aqk [S, H, C, C]``
-    (bf16) and ``gam [S, H, K]`` f32, as described in the module docstring.
+    ``qg [S, H, C, K]``, ``kg [S, H, C, K]``, ``neg_w [S, H, C, K]``, ``u [S, H, C, V]``, ``aqk [S, H, C, C]``
+    (bf16) and ``chunk_decay [S, H, K]`` f32, as described in the module docstring.
   """
   T, H, K = q.shape
   V = v.shape[-1]

@@ -31,9 +31,9 @@ NBUF = 2  # prefetch depth (stages of the chunk-input ring)
 
 
 def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref,
-                qg_ref, kg_ref, wn_ref, u_ref, aqk_ref, gam_ref, pool_ref,
+                qg_ref, kg_ref, neg_w_ref, u_ref, aqk_ref, decay_ref, pool_ref,
                 o_ref,
-                wn_b, kg_b, qg_b, u_b, aqk_b, gam_b, st_s, e_s, o_s, stg, bars, pool_bar, *, K: int):
+                neg_w_b, kg_b, qg_b, u_b, aqk_b, decay_b, st_s, e_s, o_s, stg, bars, pool_bar, *, K: int):
   vb = lax.axis_index("v")
   h = lax.axis_index("h")
   n = lax.axis_index("n")
@@ -47,12 +47,12 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
   def issue(i, st):
     gc = cs + i
     bar = bars.at[st]
-    plgpu.copy_gmem_to_smem(wn_ref.at[gc, h], wn_b.at[st], bar)
+    plgpu.copy_gmem_to_smem(neg_w_ref.at[gc, h], neg_w_b.at[st], bar)
     plgpu.copy_gmem_to_smem(kg_ref.at[gc, h], kg_b.at[st], bar)
     plgpu.copy_gmem_to_smem(qg_ref.at[gc, h], qg_b.at[st], bar)
     plgpu.copy_gmem_to_smem(u_ref.at[gc, h, :, pl.ds(v0, BV)], u_b.at[st], bar)
     plgpu.copy_gmem_to_smem(aqk_ref.at[gc, h], aqk_b.at[st], bar)
-    plgpu.copy_gmem_to_smem(gam_ref.at[gc, h], gam_b.at[st], bar)
+    plgpu.copy_gmem_to_smem(decay_ref.at[gc, h], decay_b.at[st], bar)
 
   for j in range(NBUF):
     pl.when(nch > j)(functools.partial(issue, j, j))
@@ -81,13 +81,13 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
     plgpu.commit_smem()
 
     def first(acc_e, acc_o):
-      plgpu.wgmma(acc_e, wn_b.at[st], st_s.T)
+      plgpu.wgmma(acc_e, neg_w_b.at[st], st_s.T)
       plgpu.wgmma(acc_o, qg_b.at[st], st_s.T)
       return acc_e[...], acc_o[...]
 
     e, o = pl.run_scoped(first, plgpu.ACC((C, BV), f32), plgpu.ACC((C, BV), f32))
     e = e + plgpu.load(u_b.at[st], layout=WG, optimized=False).astype(f32)
-    gam = plgpu.load(gam_b.at[st], layout=COLV, optimized=False)
+    chunk_decay = plgpu.load(decay_b.at[st], layout=COLV, optimized=False)
     e_s[...] = e.astype(bf16)
     plgpu.commit_smem()
 
@@ -97,7 +97,7 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
       return acc_s[...], acc_o[...]
 
     ds, o2 = pl.run_scoped(second, plgpu.ACC((BV, K), f32), plgpu.ACC((C, BV), f32))
-    s = s * bcast_cols(gam, (BV, K)) + ds
+    s = s * bcast_cols(chunk_decay, (BV, K)) + ds
     # Every read of stage st (wgmma and register loads) is complete: refill it.
     pl.when(i + NBUF < nch)(functools.partial(issue, i + NBUF, st))
 
@@ -133,13 +133,13 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
   plgpu.wait_smem_to_gmem(0)
 
 
-def state_pass(qg: jax.Array, kg: jax.Array, wn: jax.Array, u: jax.Array, aqk: jax.Array, gam: jax.Array,
-               pool_ref, seq_meta: tuple[jax.Array, ...], ck_meta: tuple[jax.Array, ...], *, T: int,
-               out_dtype) -> jax.Array:
+def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk: jax.Array,
+               chunk_decay: jax.Array, pool_ref, seq_meta: tuple[jax.Array, ...], ck_meta: tuple[jax.Array, ...],
+               *, T: int, out_dtype) -> jax.Array:
   """Stage 2. Writes final states / checkpoints into ``pool_ref`` (a ``jax.new_ref`` of the pool) in place.
 
   Args:
-    qg, kg, wn, u, aqk, gam: stage-1 workspaces (``prefill_prep.prep``), chunk slots first.
+    qg, kg, neg_w, u, aqk, chunk_decay: stage-1 workspaces (``prefill_prep.prep``), chunk slots first.
     pool_ref: ref of the ``[P, H, V, K]`` pool (f32 or bf16).
     seq_meta: ``[N]`` int32 each: first chunk slot, number of chunks, first token, length, pool slot,
       has-initial-state (0/1).
@@ -163,4 +163,4 @@ def state_pass(qg: jax.Array, kg: jax.Array, wn: jax.Array, u: jax.Array, aqk: j
       functools.partial(_state_body, K=K),
       out_type=jax.ShapeDtypeStruct((T, H, V), out_dtype),
       grid=(V // BV, H, N), grid_names=("v", "h", "n"), scratch_types=scratch,
-  )(*seq_meta, *ck_meta, qg, kg, wn, u, aqk, gam, pool_ref)
+  )(*seq_meta, *ck_meta, qg, kg, neg_w, u, aqk, chunk_decay, pool_ref)
