@@ -246,27 +246,11 @@ def test_layer_prefill_of_a_long_prompt_compiles_to_a_bounded_working_set():
   """The K3 MLA layer (96 heads, one device, bf16) prefilling T = 32768 tokens into a cache of the same
   capacity compiles (not run) to a working set of O(T * H * D) plus one block of ``PREFIX_ROWS`` rows of the
   cached-prefix attention. Before: the dense [H, T, T] f32 scores (384 GiB), and the prefix attention of all T
-  rows at once gathering ``[T, capacity, 576]`` (reserved by XLA even when no prefix exists: about 1.1 TB at
-  T = 16384)."""
-  from flax import nnx
+  rows at once gathering ``[T, capacity, 576]``, reserved by XLA even when no prefix exists (the measurements
+  are in benchmarks/RESULTS.md)."""
+  from benchmarks import prefill_memory
 
-  from k3jax import config as cfg_lib
-  from k3jax.layers.mla import MlaLayer
-
-  t = 32768
-  cfg = cfg_lib.preset("kimi_k3", impl="xla", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                       cache_dtype=jnp.bfloat16)
-  graph, state = nnx.split(nnx.eval_shape(lambda: MlaLayer(cfg, rngs=nnx.Rngs(0))))
-  spec = jax.ShapeDtypeStruct
-  pages = t // 64
-  args = (state, spec((t, cfg.hidden_size), jnp.bfloat16),
-          spec((pages, 64, cfg.kv_lora_rank + cfg.qk_rope_head_dim), jnp.bfloat16), spec((t,), jnp.int32),
-          spec((t,), jnp.int32), spec((1, pages), jnp.int32), spec((1,), jnp.int32))
-
-  def prefill(state, x, kv, seq, pos, table, prefix):
-    return nnx.merge(graph, state).prefill(x, kv, seq=seq, pos=pos, block_table=table, prefix_lens=prefix)
-
-  temp = jax.jit(prefill).lower(*args).compile().memory_analysis().temp_size_in_bytes
+  temp = prefill_memory.layer_temp_bytes(32768)
   # About 7 GiB of [T, H, D] f32 buffers (q, k, v, the two partials and their merge) and 2 GiB for a block of
   # 16 prefix rows over 32768 cached tokens; 16 GiB leaves room for XLA's buffer assignment to change.
   assert temp < 16 * 2 ** 30
