@@ -19,7 +19,8 @@ from safetensors import numpy as safetensors_np
 from k3jax import checkpoint
 from k3jax.cache import init_cache
 from k3jax.config import K3Config
-from k3jax.model import KimiK3Model, decode, prefill
+from k3jax.model import KimiK3Model
+from k3jax.steps import decode, prefill
 
 PARAMS_FILE = "k3jax_params.safetensors"
 

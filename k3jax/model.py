@@ -7,7 +7,6 @@ Parameter paths follow the HF names without the ``model.`` prefix (``embed_token
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import jax
@@ -262,54 +261,3 @@ class KimiK3Model(nnx.Module):
 
     logits, cache = self._run(tokens, cache, kda_fn, mla_fn)
     return logits, cache.replace(seq_lens=cache.seq_lens + 1)
-
-
-@functools.partial(nnx.jit, donate_argnames=("cache",))
-def _prefill_step(model: KimiK3Model, tokens: jax.Array, cu_seqlens: jax.Array,
-                  cache: ModelCache) -> tuple[jax.Array, ModelCache]:
-  return model.prefill(tokens, cu_seqlens, cache)
-
-
-@functools.partial(nnx.jit, donate_argnames=("cache",))
-def _decode_step(model: KimiK3Model, tokens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
-  return model.decode(tokens, cache)
-
-
-def prefill(model: KimiK3Model, tokens: jax.Array, cu_seqlens: jax.Array,
-            cache: ModelCache) -> tuple[jax.Array, ModelCache]:
-  """``model.prefill`` jitted with the cache donated (updated in place), after a host check of the values.
-
-  The arguments are concrete here, so ``check_prefill_inputs`` checks the token ids, ``cu_seqlens`` and the
-  capacity left after ``cache.seq_lens`` (a small device-to-host copy) before the step runs; a rejected call
-  raises ``ValueError`` and donates nothing. A caller who runs ``model.prefill`` under a jit of their own gets
-  shape and dtype checks only, since traced values cannot be read: an id outside ``[0, vocab)`` then embeds as
-  another token (negative ids wrap, large ones clamp), a malformed ``cu_seqlens`` mixes or drops tokens, and
-  tokens past the capacity overwrite other latent rows of the cache. Such a caller runs
-  ``k3jax.model.check_prefill_inputs`` on the host first.
-
-  Args:
-    model: the model. tokens: ``[T]`` int32. cu_seqlens: ``[N + 1]`` int32. cache: ``ModelCache`` (donated).
-
-  Returns:
-    ``logits [T, vocab]`` f32 and the updated cache, as ``KimiK3Model.prefill``.
-  """
-  check_prefill_inputs(tokens, cu_seqlens, cache, vocab_size=model.cfg.vocab_size)
-  return _prefill_step(model, tokens, cu_seqlens, cache)
-
-
-def decode(model: KimiK3Model, tokens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
-  """``model.decode`` jitted with the cache donated (updated in place), after a host check of the values.
-
-  As ``prefill``: ``check_decode_inputs`` checks the token ids and that every sequence has room for one more
-  token before the step runs. Under a jit of the caller's own the values go unchecked: a bad id embeds as
-  another token and a full sequence overwrites another latent row of the cache (run
-  ``k3jax.model.check_decode_inputs`` on the host first).
-
-  Args:
-    model: the model. tokens: ``[N]`` int32. cache: ``ModelCache`` (donated).
-
-  Returns:
-    ``logits [N, vocab]`` f32 and the updated cache, as ``KimiK3Model.decode``.
-  """
-  check_decode_inputs(tokens, cache, vocab_size=model.cfg.vocab_size)
-  return _decode_step(model, tokens, cache)

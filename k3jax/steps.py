@@ -1,6 +1,9 @@
-"""The jitted model step on a mesh: ``jit_model_step``, its sharded cache and the collectives it runs.
+"""The jitted model step, on one device or a mesh: ``jit_model_step``, ``prefill``/``decode``, the sharded cache.
 
-Use (``k3jax.checkpoint.load_hf(path, mesh=mesh)`` does the first step while loading)::
+One jitted prefill and one jitted decode serve both cases: ``jit_model_step(model)`` (no mesh) is the
+one-device step that ``k3jax.prefill``/``decode`` call, and ``jit_model_step(model, mesh)`` the same step with
+every parameter and cache sharded. Use on a mesh (``k3jax.checkpoint.load_hf(path, mesh=mesh)`` does the first
+step while loading)::
 
   mesh = sharding.make_mesh(9)
   model, plan = sharding.shard_model(model, mesh)   # pad for 9 devices, place every parameter
@@ -13,7 +16,9 @@ Use (``k3jax.checkpoint.load_hf(path, mesh=mesh)`` does the first step while loa
 from __future__ import annotations
 
 from collections.abc import Callable
+import contextlib
 import dataclasses
+import functools
 import re
 
 import jax
@@ -51,61 +56,54 @@ def init_mesh_cache(cfg, num_seqs: int, max_seq_len: int, mesh: jax.sharding.Mes
 
 @dataclasses.dataclass(frozen=True)
 class ModelStep:
-  """Jitted, sharded ``prefill`` / ``decode`` of a placed model (``jit_model_step``).
+  """Jitted ``prefill`` / ``decode`` of a model, on one device (``mesh`` None) or placed on a mesh.
 
-  Both take and return a cache from ``init_mesh_cache`` (donated: pass the returned one on) and return f32
-  logits over the real vocabulary, replicated. Like ``k3jax.prefill``/``decode`` they check the index values
-  of their concrete arguments on the host (``k3jax.model.check_prefill_inputs``/``check_decode_inputs``, the
-  capacity counted on this mesh) before the jitted step: a rejected call donates nothing.
+  Both take and return a cache (from ``k3jax.init_cache`` on one device, ``init_mesh_cache`` on a mesh;
+  donated: pass the returned one on) and return f32 logits over the real vocabulary (replicated on a mesh).
+  They check the index values of their concrete arguments on the host
+  (``k3jax.model.check_prefill_inputs``/``check_decode_inputs``, the capacity counted on this mesh) before the
+  jitted step: a rejected call raises ``ValueError`` and donates nothing. A caller who runs
+  ``KimiK3Model.prefill`` under a jit of their own gets shape and dtype checks only, since traced values cannot
+  be read: an id outside ``[0, vocab)`` then embeds as another token (negative ids wrap, large ones clamp), a
+  malformed ``cu_seqlens`` mixes or drops tokens, and tokens past the capacity overwrite other latent rows of
+  the cache. Such a caller runs the two checks on the host first.
   """
 
-  mesh: jax.sharding.Mesh
+  mesh: jax.sharding.Mesh | None
   state: nnx.State
   prefill_jit: Callable
   decode_jit: Callable
   vocab_size: int
 
+  def _context(self):
+    return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
   def prefill(self, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
-    """``KimiK3Model.prefill`` (``tokens [T]``, ``cu_seqlens [N + 1]``) -> ``(logits [T, vocab], cache)``."""
-    with jax.set_mesh(self.mesh):
+    """``KimiK3Model.prefill`` (``tokens [T]`` int32, ``cu_seqlens [N + 1]`` int32) -> ``(logits [T, vocab]``
+    f32, ``cache)``."""
+    with self._context():
       model_lib.check_prefill_inputs(tokens, cu_seqlens, cache, vocab_size=self.vocab_size)
       if tokens.shape[0] == 0:  # every L_n is 0: nothing changes (as KimiK3Model.prefill)
         return jnp.zeros((0, self.vocab_size), jnp.float32), cache
       return self.prefill_jit(self.state, tokens, cu_seqlens, cache)
 
   def decode(self, tokens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
-    """``KimiK3Model.decode`` (``tokens [N]``) -> ``(logits [N, vocab], cache)``."""
-    with jax.set_mesh(self.mesh):
+    """``KimiK3Model.decode`` (``tokens [N]`` int32) -> ``(logits [N, vocab]`` f32, ``cache)``."""
+    with self._context():
       model_lib.check_decode_inputs(tokens, cache, vocab_size=self.vocab_size)
       return self.decode_jit(self.state, tokens, cache)
 
   def compiled_text(self, kind: str, *args) -> str:
     """Compiled HLO of ``prefill`` or ``decode`` (``kind``) for these arguments (for inspecting collectives)."""
     fn = {"prefill": self.prefill_jit, "decode": self.decode_jit}[kind]
-    with jax.set_mesh(self.mesh):
+    with self._context():
       return fn.lower(self.state, *args).compile().as_text()
 
 
-def jit_model_step(model: nnx.Module, mesh: jax.sharding.Mesh, *, vocab_size: int | None = None,
-                   compiler_options: dict[str, str | bool | int | float] | None = None) -> ModelStep:
-  """The jitted sharded step of a model placed by ``shard_model``.
-
-  Parameters keep their ``param_specs`` shardings, caches their ``cache_specs`` shardings (donated), and
-  every op runs on the ambient mesh: KDA ops per head group, MLA decode with DCP.
-
-  Args:
-    model: a ``KimiK3Model`` from ``shard_model`` (padded for the mesh).
-    mesh: the mesh it was placed on.
-    vocab_size: the real vocabulary (logits past it, from padded rows, are dropped); default the model's.
-    compiler_options: XLA options for both compiles (``jax.jit``'s), e.g.
-      ``{"xla_backend_optimization_level": 0}``: CPU compiles several times faster, the same ops.
-  """
-  cfg = model.cfg
-  vocab = cfg.vocab_size if vocab_size is None else vocab_size
-  graphdef, state = nnx.split(model)
-  params = sharding.tree_shardings(mesh, sharding.param_specs(model))
-  caches = sharding.tree_shardings(mesh, sharding.cache_specs(cfg))
-  whole = NamedSharding(mesh, P())
+def _jit_steps(graphdef: nnx.GraphDef, vocab: int, shardings: tuple | None,
+               compiler_options: tuple[tuple[str, str | bool | int | float], ...] | None) -> tuple[Callable, Callable]:
+  """The jitted ``(prefill, decode)`` of a model's graph: ``shardings`` is ``(params, caches, whole)`` on a mesh
+  and None on one device (the arguments' own placement)."""
 
   def prefill(state, tokens, cu_seqlens, cache):
     logits, cache = nnx.merge(graphdef, state).prefill(tokens, cu_seqlens, cache)
@@ -115,12 +113,78 @@ def jit_model_step(model: nnx.Module, mesh: jax.sharding.Mesh, *, vocab_size: in
     logits, cache = nnx.merge(graphdef, state).decode(tokens, cache)
     return logits[:, :vocab], cache
 
-  return ModelStep(
-      mesh=mesh, state=state, vocab_size=vocab,
-      prefill_jit=jax.jit(prefill, in_shardings=(params, whole, whole, caches), out_shardings=(whole, caches),
-                          donate_argnums=3, compiler_options=compiler_options),
-      decode_jit=jax.jit(decode, in_shardings=(params, whole, caches), out_shardings=(whole, caches),
-                         donate_argnums=2, compiler_options=compiler_options))
+  options = None if compiler_options is None else dict(compiler_options)
+  if shardings is None:
+    return (jax.jit(prefill, donate_argnums=3, compiler_options=options),
+            jax.jit(decode, donate_argnums=2, compiler_options=options))
+  params, caches, whole = shardings
+  return (jax.jit(prefill, in_shardings=(params, whole, whole, caches), out_shardings=(whole, caches),
+                  donate_argnums=3, compiler_options=options),
+          jax.jit(decode, in_shardings=(params, whole, caches), out_shardings=(whole, caches), donate_argnums=2,
+                  compiler_options=options))
+
+
+# One-device steps are built per model graph and reused, so that ``k3jax.prefill(model, ...)`` called again
+# with the same model (or one of the same structure) hits jax.jit's compilation cache.
+_one_device_steps = functools.lru_cache(maxsize=16)(
+    lambda graphdef, vocab: _jit_steps(graphdef, vocab, None, None))
+
+
+def jit_model_step(model: nnx.Module, mesh: jax.sharding.Mesh | None = None, *, vocab_size: int | None = None,
+                   compiler_options: dict[str, str | bool | int | float] | None = None) -> ModelStep:
+  """The jitted step of a model, on one device (``mesh`` None) or on the mesh ``shard_model`` placed it on.
+
+  On a mesh, parameters keep their ``param_specs`` shardings, caches their ``cache_specs`` shardings
+  (donated), and every op runs on the ambient mesh: KDA ops per head group, MLA decode with DCP.
+
+  Args:
+    model: a ``KimiK3Model`` (from ``shard_model``, padded for the mesh, when ``mesh`` is given).
+    mesh: the mesh it was placed on, or None for one device.
+    vocab_size: the real vocabulary (logits past it, from padded rows, are dropped); default the model's.
+    compiler_options: XLA options for both compiles (``jax.jit``'s), e.g.
+      ``{"xla_backend_optimization_level": 0}``: CPU compiles several times faster, the same ops.
+  """
+  vocab = model.cfg.vocab_size if vocab_size is None else vocab_size
+  graphdef, state = nnx.split(model)
+  if mesh is None and compiler_options is None:
+    steps = _one_device_steps(graphdef, vocab)
+  else:
+    shardings = None if mesh is None else (sharding.tree_shardings(mesh, sharding.param_specs(model)),
+                                           sharding.tree_shardings(mesh, sharding.cache_specs(model.cfg)),
+                                           NamedSharding(mesh, P()))
+    options = None if compiler_options is None else tuple(sorted(compiler_options.items()))
+    steps = _jit_steps(graphdef, vocab, shardings, options)
+  return ModelStep(mesh=mesh, state=state, prefill_jit=steps[0], decode_jit=steps[1], vocab_size=vocab)
+
+
+def prefill(model: nnx.Module, tokens: jax.Array, cu_seqlens: jax.Array,
+            cache: ModelCache) -> tuple[jax.Array, ModelCache]:
+  """``model.prefill`` on one device, jitted with the cache donated, after a host check of the values.
+
+  ``jit_model_step(model).prefill(...)``: see ``ModelStep`` for the checks.
+
+  Args:
+    model: a ``KimiK3Model``. tokens: ``[T]`` int32. cu_seqlens: ``[N + 1]`` int32. cache: ``ModelCache`` from
+      ``k3jax.init_cache`` (donated).
+
+  Returns:
+    ``logits [T, vocab]`` f32 and the updated cache, as ``KimiK3Model.prefill``.
+  """
+  return jit_model_step(model).prefill(tokens, cu_seqlens, cache)
+
+
+def decode(model: nnx.Module, tokens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
+  """``model.decode`` on one device, jitted with the cache donated, after a host check of the values.
+
+  ``jit_model_step(model).decode(...)``: see ``ModelStep`` for the checks.
+
+  Args:
+    model: a ``KimiK3Model``. tokens: ``[N]`` int32. cache: ``ModelCache`` (donated).
+
+  Returns:
+    ``logits [N, vocab]`` f32 and the updated cache, as ``KimiK3Model.decode``.
+  """
+  return jit_model_step(model).decode(tokens, cache)
 
 
 _COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%\S+ = \(?([a-z0-9]+)\[([0-9,]*)\][^\n]*? "

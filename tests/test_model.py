@@ -281,6 +281,25 @@ def test_jitted_api_donates_the_cache():
   np.testing.assert_array_equal(np.asarray(cache.seq_lens), [5, 7])
 
 
+def test_one_device_step_is_the_mesh_step_without_a_mesh():
+  """``k3jax.prefill``/``decode`` are ``jit_model_step(model)``: one jitted pair per model graph, reused by every
+  call (no re-trace for a second call or a second model of the same structure), equal to the model's own
+  methods."""
+  cfg = cfg_lib.preset("tiny_linear", **{**F32, "num_hidden_layers": 1, "layer_types": ("kda",)})
+  model = k3jax.KimiK3Model(cfg, rngs=nnx.Rngs(17))
+  step = k3jax.jit_model_step(model)
+  assert step.mesh is None and step.vocab_size == cfg.vocab_size
+  again = k3jax.jit_model_step(k3jax.KimiK3Model(cfg, rngs=nnx.Rngs(18)))
+  assert again.prefill_jit is step.prefill_jit and again.decode_jit is step.decode_jit
+  tokens, cu = jnp.arange(10, dtype=jnp.int32), jnp.asarray([0, 4, 10], jnp.int32)
+  logits, cache = step.prefill(tokens, cu, init_cache(cfg, 2, 64))
+  want, want_cache = model.prefill(tokens, cu, init_cache(cfg, 2, 64))
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-5)
+  logits, _ = k3jax.decode(model, jnp.asarray([5, 6], jnp.int32), cache)
+  want, _ = model.decode(jnp.asarray([5, 6], jnp.int32), want_cache)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def _kda_mla_model(seed: int):
   """A 2-layer model (one KDA, one MLA layer) for the tests of the jitted API."""
   cfg = cfg_lib.preset("tiny_linear", **{**F32, "num_hidden_layers": 2, "layer_types": ("kda", "mla")})
