@@ -3,8 +3,8 @@
 ``load_hf`` reads ``config.json``, ``model.safetensors.index.json`` and the shards (memory-mapped), maps every
 HF tensor to its parameter and places each parameter directly with its sharding (and the ``PaddingPlan`` of
 ``k3jax.sharding``): a device receives only its block, and a host holds at most one converted tensor (one
-device's experts for a stacked expert tensor). ``write_tiny_hf`` writes random checkpoints with the real
-names and layouts.
+device's experts for a stacked expert tensor). ``k3jax.testing.write_tiny_hf`` writes random checkpoints with
+the real names and layouts.
 
 Formats (``model_type`` in ``config.json``):
 
@@ -27,7 +27,6 @@ exponents (``2 ** (s - 127)``; 255 is NaN and rejected). Dequantization is exact
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -40,7 +39,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from k3jax import padding
 from k3jax import sharding as sharding_lib
@@ -54,7 +52,7 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MXFP4_GROUP = 32
 MXFP4_FORMAT = "mxfp4-pack-quantized"
-_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 _E8M0_NAN = 255
 _FLOAT_DTYPES = ("BF16", "F16", "F32")
 _NP_DTYPE = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "U8": np.uint8}
@@ -85,7 +83,7 @@ def mxfp4_dequantize(packed: np.ndarray, scale: np.ndarray, name: str = "weight"
     where = np.argwhere(scale == _E8M0_NAN)[:4].tolist()
     raise ValueError(f"{name}: weight_scale holds the E8M0 NaN code 255 at {where}")
   codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(out, 2 * half)
-  mag = _E2M1[codes & 7]
+  mag = E2M1[codes & 7]
   vals = np.where(codes & 8, -mag, mag).reshape(out, -1, MXFP4_GROUP)
   with np.errstate(over="ignore"):
     w = np.ldexp(vals, scale.astype(np.int32)[..., None] - 127).reshape(out, 2 * half)
@@ -95,25 +93,9 @@ def mxfp4_dequantize(packed: np.ndarray, scale: np.ndarray, name: str = "weight"
   return w
 
 
-def _mxfp4_draw(rng: np.random.Generator, shape: tuple[int, int], std: float) -> tuple[np.ndarray, np.ndarray]:
-  """Random ``N(0, std)`` weights rounded to MXFP4: ``(codes [out, in] uint8, scales [out, in/32] uint8)``."""
-  out, inp = shape
-  x = rng.normal(0.0, std, (out, inp // MXFP4_GROUP, MXFP4_GROUP))
-  amax = np.maximum(np.abs(x).max(-1), 1e-30)
-  exp = np.clip(np.ceil(np.log2(amax / _E2M1[-1])), -127, 127).astype(np.int32)  # |x| / 2^exp <= 6
-  y = x / np.ldexp(1.0, exp)[..., None]
-  idx = np.abs(np.abs(y)[..., None] - _E2M1).argmin(-1).astype(np.uint8)
-  codes = np.where((y < 0) & (idx > 0), idx | 8, idx).astype(np.uint8)
-  return codes.reshape(out, inp), (exp + 127).astype(np.uint8)
-
-
-def _mxfp4_pack(codes: np.ndarray) -> np.ndarray:
-  return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
-
-
 # ------------------------------------------------------------------------------------------------ name table
 @dataclasses.dataclass(frozen=True)
-class _Rule:
+class HfRule:
   """How one model parameter comes from the checkpoint.
 
   Attributes:
@@ -121,7 +103,7 @@ class _Rule:
     hf: HF name without the format prefix; for stacked experts a template with ``{e}`` and no suffix.
     hf_shape: the HF tensor's shape (per expert for stacked experts).
     kind: what the tensor is ("linear", "norm", "embed", "conv", "a_log", "a_log_padded", "dt_bias", "bias",
-      "expert"); decides the random draw of ``write_tiny_hf`` and the special checks.
+      "expert"); decides the random draw of ``k3jax.testing.write_tiny_hf`` and the special checks.
     view: shape after the optional transpose (a reshape).
     transpose: the HF tensor is a ``[out, in]`` Linear weight.
     part: slice of the last axis of ``view`` kept (``kv_b_proj`` halves, the padded K3 ``A_log``).
@@ -156,27 +138,27 @@ class _Rule:
     return a[..., self.part]
 
 
-def _rules(cfg: K3Config, fmt: str) -> list[_Rule]:
+def hf_rules(cfg: K3Config, fmt: str) -> list[HfRule]:
   """Every parameter of ``KimiK3Model(cfg)`` with its HF source in format ``fmt``."""
-  rules: list[_Rule] = []
+  rules: list[HfRule] = []
   d, v = cfg.hidden_size, cfg.vocab_size
 
   def lin(path, hf, out, inp, view):
-    rules.append(_Rule(path + ("kernel",), hf + ".weight", (out, inp), "linear", view, transpose=True))
+    rules.append(HfRule(path + ("kernel",), hf + ".weight", (out, inp), "linear", view, transpose=True))
 
   def norm(path, hf, n):
-    rules.append(_Rule(path + ("weight",), hf + ".weight", (n,), "norm", (n,)))
+    rules.append(HfRule(path + ("weight",), hf + ".weight", (n,), "norm", (n,)))
 
   def attn_res(path, hf):
-    rules.append(_Rule(path + ("norm",), hf + "_res_norm.weight", (d,), "norm", (d,)))
-    rules.append(_Rule(path + ("proj",), hf + "_res_proj.weight", (1, d), "linear", (d, 1), transpose=True))
+    rules.append(HfRule(path + ("norm",), hf + "_res_norm.weight", (d,), "norm", (d,)))
+    rules.append(HfRule(path + ("proj",), hf + "_res_proj.weight", (1, d), "linear", (d, 1), transpose=True))
 
   def mlp(path, hf, width):
     lin(path + ("gate_proj",), hf + "gate_proj", width, d, (d, width))
     lin(path + ("up_proj",), hf + "up_proj", width, d, (d, width))
     lin(path + ("down_proj",), hf + "down_proj", d, width, (width, d))
 
-  rules.append(_Rule(("embed_tokens",), "model.embed_tokens.weight", (v, d), "embed", (v, d)))
+  rules.append(HfRule(("embed_tokens",), "model.embed_tokens.weight", (v, d), "embed", (v, d)))
   for i, kind in enumerate(cfg.layer_types):
     lp, hp = ("layers", i), f"model.layers.{i}."
     norm(lp + ("input_layernorm",), hp + "input_layernorm", d)
@@ -190,12 +172,12 @@ def _rules(cfg: K3Config, fmt: str) -> list[_Rule]:
       p = h * k
       for n in ("q", "k", "v"):
         lin(ap + (f"{n}_proj",), ha + f"{n}_proj", p, d, (d, h, k))
-        rules.append(_Rule(ap + (f"{n}_conv1d", "weight"), ha + f"{n}_conv1d.weight", (p, 1, w), "conv", (h, k, w)))
+        rules.append(HfRule(ap + (f"{n}_conv1d", "weight"), ha + f"{n}_conv1d.weight", (p, 1, w), "conv", (h, k, w)))
       if fmt == "kimi_k3":
-        rules.append(_Rule(ap + ("A_log",), ha + "A_log", (k,), "a_log_padded", (k,), part=slice(0, h)))
+        rules.append(HfRule(ap + ("A_log",), ha + "A_log", (k,), "a_log_padded", (k,), part=slice(0, h)))
       else:
-        rules.append(_Rule(ap + ("A_log",), ha + "A_log", (1, 1, h, 1), "a_log", (h,)))
-      rules.append(_Rule(ap + ("dt_bias",), ha + "dt_bias", (p,), "dt_bias", (h, k)))
+        rules.append(HfRule(ap + ("A_log",), ha + "A_log", (1, 1, h, 1), "a_log", (h,)))
+      rules.append(HfRule(ap + ("dt_bias",), ha + "dt_bias", (p,), "dt_bias", (h, k)))
       lin(ap + ("f_a_proj",), ha + "f_a_proj", k, d, (d, k))
       lin(ap + ("f_b_proj",), ha + "f_b_proj", p, k, (k, h, k))
       lin(ap + ("b_proj",), ha + "b_proj", h, d, (d, h))
@@ -220,7 +202,7 @@ def _rules(cfg: K3Config, fmt: str) -> list[_Rule]:
           (d, r + cfg.qk_rope_head_dim))
       norm(ap + ("kv_a_layernorm",), ha + "kv_a_layernorm", r)
       for name, part in (("w_uk", slice(0, dn)), ("w_uv", slice(dn, dn + dv))):
-        rules.append(_Rule(ap + ("kv_b_proj", name), ha + "kv_b_proj.weight", (h * (dn + dv), r), "linear",
+        rules.append(HfRule(ap + ("kv_b_proj", name), ha + "kv_b_proj.weight", (h * (dn + dv), r), "linear",
                            (r, h, dn + dv), transpose=True, part=part))
       if cfg.mla_use_output_gate:
         lin(ap + ("g_proj",), ha + "g_proj", h * dv, d, (d, h, dv))
@@ -231,10 +213,10 @@ def _rules(cfg: K3Config, fmt: str) -> list[_Rule]:
     mp, hm = lp + ("block_sparse_moe",), hp + "block_sparse_moe."
     e, de, inter = cfg.num_experts, cfg.moe_hidden_size, cfg.moe_intermediate_size
     lin(mp + ("gate",), hm + "gate", e, d, (d, e))
-    rules.append(_Rule(mp + ("gate", "e_score_correction_bias"), hm + "gate.e_score_correction_bias", (e,),
+    rules.append(HfRule(mp + ("gate", "e_score_correction_bias"), hm + "gate.e_score_correction_bias", (e,),
                        "bias", (e,)))
     for name, out, inp in (("w1", inter, de), ("w3", inter, de), ("w2", de, inter)):
-      rules.append(_Rule(mp + ("experts", name), hm + "experts.{e}." + name, (out, inp), "expert", (inp, out),
+      rules.append(HfRule(mp + ("experts", name), hm + "experts.{e}." + name, (out, inp), "expert", (inp, out),
                          transpose=True, num_experts=e))
     if cfg.num_shared_experts:
       mlp(mp + ("shared_experts",), hm + "shared_experts.", inter * cfg.num_shared_experts)
@@ -251,7 +233,8 @@ def _rules(cfg: K3Config, fmt: str) -> list[_Rule]:
   return rules
 
 
-def _expert_names(rule: _Rule, e: int, mxfp4: bool) -> list[str]:
+def expert_names(rule: HfRule, e: int, mxfp4: bool) -> list[str]:
+  """The HF names of expert ``e`` of an expert rule: ``weight``, or ``weight_packed`` + ``weight_scale`` (MXFP4)."""
   base = rule.hf.format(e=e)
   return [base + ".weight_packed", base + ".weight_scale"] if mxfp4 else [base + ".weight"]
 
@@ -262,7 +245,7 @@ class _Expected:
   dtypes: tuple[str, ...]
 
 
-def _expected_tensors(rules: list[_Rule], prefix: str, mxfp4: bool) -> dict[str, _Expected]:
+def _expected_tensors(rules: list[HfRule], prefix: str, mxfp4: bool) -> dict[str, _Expected]:
   """HF name (with prefix) -> expected shape and allowed dtypes, for every tensor the rules read."""
   out = {}
   for rule in rules:
@@ -271,7 +254,7 @@ def _expected_tensors(rules: list[_Rule], prefix: str, mxfp4: bool) -> dict[str,
       continue
     rows, cols = rule.hf_shape
     for e in range(rule.num_experts):
-      names = _expert_names(rule, e, mxfp4)
+      names = expert_names(rule, e, mxfp4)
       if mxfp4:
         out[prefix + names[0]] = _Expected((rows, cols // 2), ("U8",))
         out[prefix + names[1]] = _Expected((rows, cols // MXFP4_GROUP), ("U8",))
@@ -307,16 +290,6 @@ def _mxfp4_from_config(raw: dict) -> bool:
       raise NotImplementedError(f"quantization_config.config_groups.{name}.weights must be 4-bit float in groups "
                                 f"of {MXFP4_GROUP} (num_bits, type, group_size), got {got}")
   return True
-
-
-def _mxfp4_config() -> dict:
-  weights = {"num_bits": 4, "type": "float", "group_size": MXFP4_GROUP, "strategy": "group", "symmetric": True,
-             "dynamic": False}
-  return {"quant_method": "compressed-tensors", "format": MXFP4_FORMAT,
-          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "format": MXFP4_FORMAT}},
-          "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*",
-                     "re:.*routed_expert_(down|up)_proj.*", "re:.*block_sparse_moe\\.gate.*", "lm_head",
-                     "re:vision_tower.*", "re:mm_projector.*"]}
 
 
 def _architecture_diff(a: K3Config, b: K3Config) -> dict:
@@ -440,12 +413,12 @@ class _Progress:
 class _Source:
   """Blocks of one parameter (unpadded, checkpoint dtype), read only as far as a block needs."""
 
-  def __init__(self, rule: _Rule, prefix: str, mxfp4: bool, progress: _Progress):
+  def __init__(self, rule: HfRule, prefix: str, mxfp4: bool, progress: _Progress):
     self.rule, self.prefix, self.mxfp4, self.progress = rule, prefix, mxfp4, progress
     self._whole: np.ndarray | None = None
 
   def _expert(self, e: int) -> np.ndarray:
-    names = [self.prefix + n for n in _expert_names(self.rule, e, self.mxfp4)]
+    names = [self.prefix + n for n in expert_names(self.rule, e, self.mxfp4)]
     if self.mxfp4:
       a = mxfp4_dequantize(self.progress.read(names[0]), self.progress.read(names[1]), names[0])
     else:
@@ -479,7 +452,7 @@ def _abstract_params(cfg: K3Config) -> tuple[nnx.GraphDef, nnx.State, list]:
   return graphdef, state, list(nnx.to_flat_state(state))
 
 
-def _check_rules_cover(rules: list[_Rule], flat: Iterable) -> None:
+def _check_rules_cover(rules: list[HfRule], flat: Iterable) -> None:
   """The name table and the model agree on every parameter and its shape (guards against model changes)."""
   by_path = {r.path: r for r in rules}
   params = {path: var.shape for path, var in flat}
@@ -540,7 +513,7 @@ def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, conf
                      f"{mesh.axis_names}")
   mxfp4 = _mxfp4_from_config(raw)
   prefix = K3_PREFIX if fmt == "kimi_k3" else ""
-  rules = _rules(cfg, fmt)
+  rules = hf_rules(cfg, fmt)
   _check_rules_cover(rules, _abstract_params(cfg)[2])
   ckpt = _Checkpoint(path, check_finite)
   expected = _expected_tensors(rules, prefix, mxfp4)
@@ -566,151 +539,12 @@ def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, conf
   return cfg, nnx.merge(graphdef, state)
 
 
-# ------------------------------------------------------------------------------------------------ writing
-def _vision_tensors(rng: np.random.Generator, d: int) -> dict[str, np.ndarray]:
-  """A few MoonViT / projector tensors, so that readers must skip them explicitly."""
-  shapes = {"vision_tower.patch_embed.proj.weight": (16, 3, 2, 2),
-            "vision_tower.encoder.blocks.0.attn.wqkv.weight": (48, 16),
-            "vision_tower.encoder.final_layernorm.weight": (16,),
-            "mm_projector.pre_norm.weight": (16,),
-            "mm_projector.proj.0.weight": (d, 64)}
-  return {n: rng.normal(0.0, 0.1, s).astype(ml_dtypes.bfloat16) for n, s in shapes.items()}
-
-
-def _draw(rng: np.random.Generator, rule: _Rule) -> np.ndarray:
-  """A random HF tensor for ``rule`` (not experts), in its checkpoint dtype."""
-  shape, kind = rule.hf_shape, rule.kind
-  bf16 = ml_dtypes.bfloat16
-  if kind == "linear":
-    return rng.normal(0.0, shape[-1] ** -0.5, shape).astype(bf16)
-  if kind == "embed":
-    return rng.normal(0.0, 1.0, shape).astype(bf16)
-  if kind == "norm":
-    # 1 + N(0, 0.05): a missing multiplication by the weight cannot cancel out.
-    return (1.0 + 0.05 * rng.normal(size=shape)).astype(bf16)
-  if kind == "conv":
-    return rng.normal(0.0, shape[-1] ** -0.5, shape).astype(np.float32)
-  if kind == "bias":
-    return rng.normal(0.0, 0.1, shape).astype(np.float32)
-  if kind == "dt_bias":
-    dt = np.maximum(np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), shape)), 1e-4)
-    return (dt + np.log(-np.expm1(-dt))).astype(np.float32)  # softplus^-1(dt)
-  if kind == "a_log":
-    return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
-  if kind == "a_log_padded":
-    out = np.zeros(shape, np.float32)
-    out[rule.part] = np.log(rng.uniform(1.0, 16.0, out[rule.part].shape))
-    return out
-  raise ValueError(f"no random draw for tensor kind {kind!r}")
-
-
-def _shard_groups(names: list[str], sizes: dict[str, int], num_shards: int) -> list[list[str]]:
-  """``num_shards <= len(names)`` consecutive groups of about equal bytes, none empty."""
-  total, groups, acc, last = max(sum(sizes.values()), 1), [[] for _ in range(num_shards)], 0, 0
-  for i, name in enumerate(names):
-    # Never skip a group, and leave at least one tensor for every later group.
-    last = max(last, num_shards - (len(names) - i), min(acc * num_shards // total, last + 1, num_shards - 1))
-    groups[last].append(name)
-    acc += sizes[name]
-  return groups
-
-
-def write_tiny_hf(path: str | os.PathLike, config: K3Config, seed: int, fmt: str = "kimi_linear",
-                  mxfp4: bool = False, *, num_shards: int = 3) -> str:
-  """Writes a random checkpoint of ``config`` with the real HF names, layouts and files.
-
-  Files: ``config.json`` (``config.to_hf(fmt)``, plus ``quantization_config`` with ``mxfp4``),
-  ``generation_config.json``, ``model.safetensors.index.json`` and ``num_shards`` shards
-  ``model-0000i-of-0000n.safetensors``. Linear weights are ``N(0, 1/in)`` bf16 ``[out, in]``, norm weights
-  ``1 + N(0, 0.05)`` bf16, ``A_log``/``dt_bias``/convs/correction bias f32. Routed expert weights are
-  drawn on the MXFP4 grid (when their input width is a multiple of 32) (e2m1 times a power of two per 32 inputs), so the bf16 (``mxfp4=False``) and
-  the MXFP4 checkpoint of one seed dequantize to identical weights. ``kimi_k3`` also writes vision tensors.
-
-  Args:
-    path: output directory (created).
-    config: the architecture (``K3Config``).
-    seed: RNG seed; equal seeds give equal weights in both formats and both expert encodings.
-    fmt: "kimi_linear" or "kimi_k3".
-    mxfp4: routed experts as ``weight_packed`` + ``weight_scale``.
-    num_shards: number of safetensors files (>= 2 unless the model has fewer tensors).
-
-  Returns:
-    ``path`` as a string.
-
-  Raises:
-    ValueError: a bad ``fmt`` or ``num_shards``; MXFP4 with an expert input width not a multiple of 32;
-      ``kimi_k3`` with more KDA heads than the head dim (its ``A_log`` is padded to the head dim).
-  """
-  if fmt not in FORMATS:
-    raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
-  if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
-    raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
-  if mxfp4:
-    widths = {"moe hidden size (w1/w3 input)": config.moe_hidden_size,
-              "moe_intermediate_size (w2 input)": config.moe_intermediate_size}
-    bad = {k: v for k, v in widths.items() if v % MXFP4_GROUP}
-    if bad:
-      raise ValueError(f"mxfp4 needs expert input widths that are multiples of {MXFP4_GROUP}, got {bad}")
-  if fmt == "kimi_k3" and config.kda_num_heads > config.kda_head_dim and KDA in config.layer_types:
-    raise ValueError(f"the kimi_k3 A_log holds kda_num_heads={config.kda_num_heads} values zero-padded to "
-                     f"kda_head_dim={config.kda_head_dim}; it needs kda_num_heads <= kda_head_dim")
-  path = os.fspath(path)
-  os.makedirs(path, exist_ok=True)
-  rng = np.random.default_rng(seed)
-  prefix = K3_PREFIX if fmt == "kimi_k3" else ""
-  tensors: dict[str, np.ndarray] = {}
-  for rule in _rules(config, fmt):
-    name = prefix + rule.hf
-    if rule.num_experts:
-      rows, cols = rule.hf_shape
-      for e in range(rule.num_experts):
-        names = [prefix + n for n in _expert_names(rule, e, mxfp4)]
-        if cols % MXFP4_GROUP:
-          # No MXFP4 twin exists at this width (mxfp4 was refused above): plain bf16 weights.
-          tensors[names[0]] = rng.normal(0.0, cols ** -0.5, rule.hf_shape).astype(ml_dtypes.bfloat16)
-          continue
-        codes, scale = _mxfp4_draw(rng, rule.hf_shape, cols ** -0.5)
-        if mxfp4:
-          tensors[names[0]], tensors[names[1]] = _mxfp4_pack(codes), scale
-        else:
-          tensors[names[0]] = mxfp4_dequantize(_mxfp4_pack(codes), scale).astype(ml_dtypes.bfloat16)
-    elif name not in tensors:  # kv_b_proj feeds two parameters
-      tensors[name] = _draw(rng, rule)
-  if fmt == "kimi_k3":
-    tensors.update(_vision_tensors(rng, config.hidden_size))
-
-  hf_config = config.to_hf(fmt)
-  hf_config["torch_dtype"] = "bfloat16"
-  if mxfp4:
-    hf_config["quantization_config"] = _mxfp4_config()
-  if fmt == "kimi_k3":
-    hf_config["vision_config"] = {"model_type": "moonvit", "hidden_size": 16, "patch_size": 2}
-    hf_config["media_placeholder_token_id"] = config.vocab_size - 1
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(hf_config, f, indent=2)
-  with open(os.path.join(path, "generation_config.json"), "w") as f:
-    json.dump({"max_new_tokens": 32, "do_sample": False}, f, indent=2)
-
-  names = list(tensors)
-  groups = _shard_groups(names, {n: tensors[n].nbytes for n in names}, min(num_shards, len(names)))
-  weight_map = {}
-  for i, group in enumerate(groups):
-    fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-    save_file({n: np.ascontiguousarray(tensors[n]) for n in group}, os.path.join(path, fname),
-              metadata={"format": "pt"})
-    weight_map.update(dict.fromkeys(group, fname))
-  index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))}, "weight_map": weight_map}
-  with open(os.path.join(path, INDEX_FILE), "w") as f:
-    json.dump(index, f, indent=2)
-  return path
-
-
 def hf_tensor_names(config: K3Config, fmt: str, mxfp4: bool = False) -> dict[str, tuple[int, ...]]:
   """HF name -> shape of every text tensor a checkpoint of ``config`` in ``fmt`` holds (docs and tests)."""
   if fmt not in FORMATS:
     raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
   prefix = K3_PREFIX if fmt == "kimi_k3" else ""
-  return {n: e.shape for n, e in _expected_tensors(_rules(config, fmt), prefix, mxfp4).items()}
+  return {n: e.shape for n, e in _expected_tensors(hf_rules(config, fmt), prefix, mxfp4).items()}
 
 
-__all__ = ["FORMATS", "hf_tensor_names", "load_hf", "mxfp4_dequantize", "write_tiny_hf"]
+__all__ = ["FORMATS", "hf_tensor_names", "load_hf", "mxfp4_dequantize"]

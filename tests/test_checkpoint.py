@@ -22,7 +22,7 @@ from support import fast_jit
 import k3jax
 from k3jax import checkpoint as ck
 from k3jax import config as cfg_lib
-from k3jax import sharding
+from k3jax import sharding, testing
 
 F32 = dict(dtype=jnp.float32, param_dtype=jnp.float32, cache_dtype=jnp.float32, conv_dtype=jnp.float32,
            state_dtype=jnp.float32, partial_dtype=jnp.float32, impl="xla")
@@ -73,7 +73,7 @@ def written(tmp_path_factory):
   root = tmp_path_factory.mktemp("hf")
   out = {}
   for fmt, mxfp4 in (("kimi_linear", False), ("kimi_k3", False), ("kimi_k3", True)):
-    out[fmt, mxfp4] = ck.write_tiny_hf(root / f"{fmt}_{mxfp4}", CONFIGS[fmt], seed=3, fmt=fmt, mxfp4=mxfp4)
+    out[fmt, mxfp4] = testing.write_tiny_hf(root / f"{fmt}_{mxfp4}", CONFIGS[fmt], seed=3, fmt=fmt, mxfp4=mxfp4)
   return out
 
 
@@ -169,7 +169,7 @@ def test_single_file_checkpoint(written, tmp_path):
 
 def test_tied_embeddings(tmp_path):
   cfg = LINEAR.replace(tie_word_embeddings=True)
-  path = ck.write_tiny_hf(tmp_path, cfg, seed=1, num_shards=2)
+  path = testing.write_tiny_hf(tmp_path, cfg, seed=1, num_shards=2)
   assert "lm_head.weight" not in _read_all(path)
   loaded, model = ck.load_hf(path, progress=False)
   assert loaded == cfg and not hasattr(model, "lm_head") and "lm_head.kernel" not in _flat(model)
@@ -382,7 +382,7 @@ SMALL = {"kimi_k3": K3.replace(num_hidden_layers=3, layer_types=("kda", "mla", "
 @pytest.mark.parametrize("fmt", ["kimi_linear", "kimi_k3"])
 def test_logits_match_numpy_hf_forward(fmt, tmp_path):
   cfg = SMALL[fmt]
-  path = ck.write_tiny_hf(tmp_path, cfg, seed=11, fmt=fmt, mxfp4=fmt == "kimi_k3")
+  path = testing.write_tiny_hf(tmp_path, cfg, seed=11, fmt=fmt, mxfp4=fmt == "kimi_k3")
   run_cfg = cfg.replace(**F32)
   loaded_cfg, model = ck.load_hf(path, config=run_cfg, progress=False)
   assert loaded_cfg == run_cfg
@@ -636,20 +636,20 @@ def test_error_unsupported_quantization(written, tmp_path, change, match):
 
 
 def test_error_name_table_out_of_sync_with_model(written, monkeypatch):
-  rules = ck._rules
-  monkeypatch.setattr(ck, "_rules", lambda cfg, fmt: [r for r in rules(cfg, fmt) if r.path != ("norm", "weight")])
+  rules = ck.hf_rules
+  monkeypatch.setattr(ck, "hf_rules", lambda cfg, fmt: [r for r in rules(cfg, fmt) if r.path != ("norm", "weight")])
   _load_error(written["kimi_linear", False], r"parameters without a checkpoint tensor \['norm.weight'\]")
 
 
 def test_writer_errors(tmp_path):
   with pytest.raises(ValueError, match="fmt must be one of"):
-    ck.write_tiny_hf(tmp_path, LINEAR, 0, fmt="kimi_k2")
+    testing.write_tiny_hf(tmp_path, LINEAR, 0, fmt="kimi_k2")
   with pytest.raises(ValueError, match="num_shards must be an int >= 1, got 0"):
-    ck.write_tiny_hf(tmp_path, LINEAR, 0, num_shards=0)
+    testing.write_tiny_hf(tmp_path, LINEAR, 0, num_shards=0)
   with pytest.raises(ValueError, match=r"multiples of 32, got \{'moe hidden size \(w1/w3 input\)': 48\}"):
-    ck.write_tiny_hf(tmp_path, cfg_lib.preset("tiny"), 0, fmt="kimi_k3", mxfp4=True)
+    testing.write_tiny_hf(tmp_path, cfg_lib.preset("tiny"), 0, fmt="kimi_k3", mxfp4=True)
   with pytest.raises(ValueError, match="needs kda_num_heads <= kda_head_dim"):
-    ck.write_tiny_hf(tmp_path, K3.replace(kda_num_heads=32), 0, fmt="kimi_k3")
+    testing.write_tiny_hf(tmp_path, K3.replace(kda_num_heads=32), 0, fmt="kimi_k3")
   with pytest.raises(ValueError, match="fmt must be one of"):
     ck.hf_tensor_names(K3, "kimi")
 

@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 
 import k3jax
-from k3jax import checkpoint, cli
+from k3jax import checkpoint, cli, testing
 
 
 @pytest.fixture(scope="module")
 def tiny_k3(tmp_path_factory):
   path = tmp_path_factory.mktemp("hf")
-  checkpoint.write_tiny_hf(path, k3jax.preset("tiny"), seed=0, fmt="kimi_k3")
+  testing.write_tiny_hf(path, k3jax.preset("tiny"), seed=0, fmt="kimi_k3")
   return path
 
 
