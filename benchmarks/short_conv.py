@@ -1,7 +1,7 @@
 """The KDA short convolution (Mosaic GPU kernel and pure JAX) next to the KDA op it feeds, on one GPU, in the same run.
 
-Issue [6/9] item 3 allows a pure-JAX short convolution "if a benchmark shows it is not the bottleneck".
-This script measures that: ``short_conv_prefill`` against ``kda_prefill`` (impl pallas) on the same tokens,
+A pure-JAX short convolution would do if it were not a bottleneck of the KDA layer. This script measures
+that: ``short_conv_prefill`` against ``kda_prefill`` (impl pallas) on the same tokens,
 and ``short_conv_update`` against ``kda_decode`` (impl pallas, f32 state) on the same batch. Every row times the
 conv twice, the Mosaic GPU kernel (``impl="pallas"``, the default on Hopper, used for ``conv share``) and the
 pure-JAX ``impl="xla"``, and prints both and ``xla/pallas``, the kernel's speedup. The conv runs over
@@ -16,7 +16,11 @@ prefill KDA op (milliseconds) is timed by ``kda_prefill.py``'s own method. Decod
 of a KDA layer's recurrent core that the convolution takes. Bytes: the conv moves ``x`` in and out
 (``2 T D`` bf16) plus its pool rows; ``GB/s`` and ``copy%`` (of 4.27 TB/s) say how close it runs to a copy.
 
-Run on the GPU machine: ``PYTHONPATH=. python3 benchmarks/short_conv.py [--json PATH]``.
+The kernel runs the heuristic grid (``pallas_kernels.short_conv.default_tuning``) unless ``--block``, ``--rows``
+or ``--token-block`` set a ``ShortConvTuning`` (a None field keeps the heuristic).
+
+Run on the GPU machine: ``PYTHONPATH=. python3 benchmarks/short_conv.py [--json PATH] [--block BD] [--rows R]
+[--token-block BT]``.
 """
 
 import argparse
@@ -31,7 +35,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import _harness, kda_decode, kda_prefill  # noqa: E402
-from pallas_kernels.kda import short_conv  # noqa: E402
+from pallas_kernels.short_conv import (ShortConvConfig, ShortConvTuning, short_conv_prefill,  # noqa: E402
+                                      short_conv_update)
 
 W = 4
 K = kda_decode.K
@@ -55,17 +60,17 @@ def conv_bytes(tokens: int, seqs: int, d: int) -> int:
   return (2 * tokens * d + 2 * seqs * (W - 1) * d) * 2
 
 
-def conv_prefill_ms(lens, h: int, iters: int, impl: str) -> float:
-  """``short_conv_prefill(impl=impl)`` over ``sum(lens)`` tokens of ``3 h K`` channels, every sequence with a
-  history."""
+def conv_prefill_ms(lens, h: int, iters: int, config: ShortConvConfig) -> float:
+  """``short_conv_prefill(config=config)`` over ``sum(lens)`` tokens of ``3 h K`` channels, every sequence with
+  a history."""
   rng = np.random.default_rng(0)
   n, t, d = len(lens), int(sum(lens)), 3 * h * K
   x = jnp.asarray(rng.standard_normal((t, d)), BF16)
   weight = jnp.asarray(rng.standard_normal((d, W)) / np.sqrt(W), BF16)
   cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
   slots, history = jnp.arange(n, dtype=jnp.int32), jnp.ones(n, bool)
-  step = jax.jit(lambda pool, _: short_conv.short_conv_prefill(
-      x, weight, cu_seqlens=cu, conv_pool=pool, state_indices=slots, has_initial_state=history, impl=impl),
+  step = jax.jit(lambda pool, _: short_conv_prefill(
+      x, weight, cu_seqlens=cu, conv_pool=pool, state_indices=slots, has_initial_state=history, config=config),
       donate_argnums=(0,))
   pool = jnp.asarray(rng.standard_normal((n, W - 1, d)), BF16)
   return device_ms(step, pool, [None], iters)
@@ -73,21 +78,21 @@ def conv_prefill_ms(lens, h: int, iters: int, impl: str) -> float:
 
 def kda_prefill_ms(lens, h: int, iters: int) -> float:
   """``kda_prefill`` (impl pallas, f32 state) timed as ``kda_prefill.py`` times it (inputs passed as arguments,
-  wall time of back-to-back calls). Closing over the inputs as jit constants and summing CUPTI records gave
-  1929-2349 us across runs for one kernel at T=8192 H=96 (``kda_prefill.py``: 1910 us)."""
+  wall time of back-to-back calls): closing over the inputs as jit constants and summing CUPTI records varied
+  from run to run far more than that, and ran slower."""
   return kda_prefill.ours(kda_prefill.make_inputs(lens, h), lens, h, iters=iters)[0]
 
 
-def conv_decode_ms(n: int, h: int, rot: int, iters: int, impl: str) -> float:
-  """``short_conv_update(impl=impl)`` of ``n`` rows of ``3 h K`` channels, slots rotated over ``rot`` blocks of
-  ``n``."""
+def conv_decode_ms(n: int, h: int, rot: int, iters: int, config: ShortConvConfig) -> float:
+  """``short_conv_update(config=config)`` of ``n`` rows of ``3 h K`` channels, slots rotated over ``rot`` blocks
+  of ``n``."""
   rng = np.random.default_rng(1)
   d = 3 * h * K
   x = jnp.asarray(rng.standard_normal((n, d)), BF16)
   weight = jnp.asarray(rng.standard_normal((d, W)) / np.sqrt(W), BF16)
   feeds = [jnp.asarray(r * n + rng.permutation(n), jnp.int32) for r in range(rot)]
-  step = jax.jit(lambda pool, slots: short_conv.short_conv_update(x, weight, conv_pool=pool, state_indices=slots,
-                                                                   impl=impl), donate_argnums=(0,))
+  step = jax.jit(lambda pool, slots: short_conv_update(x, weight, conv_pool=pool, state_indices=slots,
+                                                       config=config), donate_argnums=(0,))
   pool = jnp.asarray(rng.standard_normal((n * rot, W - 1, d)), BF16)
   return device_ms(step, pool, feeds, iters)
 
@@ -97,7 +102,13 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--json", help="write the rows here")
   parser.add_argument("--phases", nargs="+", choices=("decode", "prefill"), default=["decode", "prefill"],
                       help="which rows to time, in this order")
+  parser.add_argument("--block", type=int, help="ShortConvTuning.block: kernel channels per program")
+  parser.add_argument("--rows", type=int, help="ShortConvTuning.rows: kernel decode rows per program")
+  parser.add_argument("--token-block", type=int, help="ShortConvTuning.token_block: kernel prefill tokens per program")
   args = parser.parse_args(argv)
+  kernel = ShortConvConfig(impl="pallas",
+                           tuning=ShortConvTuning(block=args.block, rows=args.rows, token_block=args.token_block))
+  xla = ShortConvConfig(impl="xla")
   faulthandler.dump_traceback_later(540, exit=True)
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
   rows = []
@@ -116,8 +127,8 @@ def main(argv: list[str] | None = None) -> None:
   def decode_rows():
     for n, h in ((1, 96), (256, 96), (8, 96), (64, 96), (256, 11)):
       rot, iters = _harness.rotation_plan(n * h * K * K * 4)
-      conv = conv_decode_ms(n, h, rot, iters, "pallas")
-      conv_xla = conv_decode_ms(n, h, rot, iters, "xla")
+      conv = conv_decode_ms(n, h, rot, iters, kernel)
+      conv_xla = conv_decode_ms(n, h, rot, iters, xla)
       data, slots = kda_decode.make_inputs(n, h, rot, jnp.float32)
       op = kda_decode.time_ours(data, slots, jnp.float32, iters, None)[0]  # the default path rule
       report(phase="decode", N=n, T=n, H=h, conv_us=conv * 1e3, conv_xla_us=conv_xla * 1e3, kda_us=op * 1e3,
@@ -125,8 +136,8 @@ def main(argv: list[str] | None = None) -> None:
 
   def prefill_rows():
     for lens, h in (((8192,), 96), ((1024,) * 8, 96), ((8192,), 11)):
-      conv = conv_prefill_ms(lens, h, 20, "pallas")
-      conv_xla = conv_prefill_ms(lens, h, 20, "xla")
+      conv = conv_prefill_ms(lens, h, 20, kernel)
+      conv_xla = conv_prefill_ms(lens, h, 20, xla)
       op = kda_prefill_ms(lens, h, iters=10)
       report(phase="prefill", N=len(lens), T=sum(lens), H=h, conv_us=conv * 1e3, conv_xla_us=conv_xla * 1e3,
              kda_us=op * 1e3, conv_gbps=conv_bytes(sum(lens), len(lens), 3 * h * K) / (conv * 1e-3) / 1e9)

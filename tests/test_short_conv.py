@@ -1,11 +1,14 @@
-"""short_conv_prefill / short_conv_update against a float64 NumPy oracle, and against each other."""
+"""short_conv_prefill / short_conv_update against a float64 NumPy oracle, and against each other; the config."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda.short_conv import short_conv_prefill, short_conv_update
+from pallas_kernels import util
+from pallas_kernels.short_conv import (ShortConvConfig, ShortConvTuning, default_tuning, short_conv_prefill,
+                                      short_conv_update)
+from pallas_kernels.short_conv.config import resolve_tuning
 
 W, D, P = 4, 24, 12
 POISON = 1e30
@@ -75,7 +78,8 @@ def test_prefill_matches_oracle_varlen_with_checkpoints(pool_dtype, impl, kernel
       x, weight, cu_seqlens=_cu(lengths), conv_pool=pool, state_indices=jnp.asarray(slots, jnp.int32),
       has_initial_state=jnp.asarray(has_init), checkpoint_indptr=jnp.asarray(indptr, jnp.int32),
       checkpoint_offsets=jnp.asarray([c[1] for c in ckpts], jnp.int32),
-      checkpoint_slots=jnp.asarray([c[2] for c in ckpts], jnp.int32), impl=kernel_impl if impl == "kernel" else impl)
+      checkpoint_slots=jnp.asarray([c[2] for c in ckpts], jnp.int32),
+      config=ShortConvConfig(impl=kernel_impl if impl == "kernel" else impl))
   y_ref, pool_ref = _oracle(x, weight, lengths, np.asarray(pool.astype(jnp.float32)), slots, has_init, ckpts)
   assert y.shape == x.shape and y.dtype == x.dtype
   assert new_pool.shape == pool.shape and new_pool.dtype == pool.dtype
@@ -97,7 +101,7 @@ def test_prefill_empty_sequences_write_zero_states(impl, lengths, kernel_impl):
   slots, has_init = [1, 2, 3], [False, True, False]
   y, new_pool = short_conv_prefill(x, weight, cu_seqlens=_cu(lengths), conv_pool=pool,
                                    state_indices=jnp.asarray(slots, jnp.int32), has_initial_state=jnp.asarray(has_init),
-                                   impl=kernel_impl if impl == "kernel" else impl)
+                                   config=ShortConvConfig(impl=kernel_impl if impl == "kernel" else impl))
   y_ref, pool_ref = _oracle(x, weight, lengths, pool, slots, has_init)
   np.testing.assert_allclose(np.asarray(y), y_ref, **F32_TOL)
   np.testing.assert_array_equal(np.asarray(new_pool[jnp.asarray([1, 3])]), 0.0)
@@ -123,7 +127,8 @@ def test_prefill_without_activation_and_under_jit():
   x, weight, pool = _random(3, 9)
   slots, has_init = [2, 8], [True, False]
   f = jax.jit(lambda x, cu, s, h: short_conv_prefill(x, weight, cu_seqlens=cu, conv_pool=pool, state_indices=s,
-                                                       has_initial_state=h, activation=None))
+                                                       has_initial_state=h,
+                                                       config=ShortConvConfig(activation=None)))
   y, new_pool = f(x, _cu(lengths), jnp.asarray(slots, jnp.int32), jnp.asarray(has_init))
   y_ref, pool_ref = _oracle(x, weight, lengths, pool, slots, has_init, activation=None)
   np.testing.assert_allclose(np.asarray(y), y_ref, **F32_TOL)
@@ -286,9 +291,43 @@ def test_prefill_validation(over, match):
     _call_prefill(_prefill_args(**over))
 
 
-def test_prefill_activation_validation():
-  with pytest.raises(ValueError, match=r"activation must be one of \('silu', None\), got 'relu'"):
-    short_conv_prefill(**_prefill_args(), activation="relu")
+@pytest.mark.parametrize("make, match", [
+    (lambda: ShortConvConfig(activation="relu"), r"activation must be one of \('silu', None\), got 'relu'"),
+    (lambda: ShortConvConfig(impl="triton"), r"impl must be one of \('xla', 'pallas', 'interpret'\), got 'triton'"),
+    (lambda: ShortConvConfig(tuning=(1024, 4)), r"tuning must be a ShortConvTuning or None, got \(1024, 4\)"),
+    (lambda: ShortConvTuning(block=100), r"block must be one of \(1024, 512, 256, 128\) or None, got 100"),
+    (lambda: ShortConvTuning(block=True), r"block must be one of .* or None, got True"),
+    (lambda: ShortConvTuning(rows=0), r"rows must be an int >= 1 or None, got 0"),
+    (lambda: ShortConvTuning(rows=1.5), r"rows must be an int >= 1 or None, got 1.5"),
+    (lambda: ShortConvTuning(rows=True), r"rows must be an int >= 1 or None, got True"),
+    (lambda: ShortConvTuning(token_block=24), r"token_block must be one of \(64, 32, 16, 8\) or None, got 24"),
+    (lambda: default_tuning(num_rows=-1, channels=D), r"num_rows must be an int >= 0, got -1"),
+    (lambda: default_tuning(num_rows=4, channels=0), r"channels must be an int >= 1, got 0"),
+    (lambda: default_tuning(num_rows=4.0, channels=D), r"num_rows must be an int >= 0, got 4.0"),
+], ids=["activation", "impl", "tuning", "block", "block-bool", "rows-0", "rows-float", "rows-bool", "token_block",
+        "num_rows", "channels", "num_rows-float"])
+def test_config_validation(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_config_is_a_static_argument():
+  """Equal configs hash alike (jit caches on them); the default impl is ``util.default_impl``'s."""
+  a = ShortConvConfig(activation=None, impl="xla", tuning=ShortConvTuning(block=256, rows=2))
+  b = ShortConvConfig(activation=None, impl="xla", tuning=ShortConvTuning(block=256, rows=2))
+  assert a == b and hash(a) == hash(b)
+  assert ShortConvConfig().impl == ShortConvConfig(impl=None).impl == util.default_impl()
+
+
+def test_default_tuning_and_the_fields_a_tuning_sets():
+  """Every field set; a tuning's set fields are kept and the others sized for its block (64 rows of 36864
+  channels: 36 programs of 1024 channels fill the SMs, one row each; 128-channel blocks need 4 rows each)."""
+  assert default_tuning(num_rows=64, channels=36864) == ShortConvTuning(block=1024, rows=1, token_block=8)
+  assert resolve_tuning(ShortConvTuning(block=128), num_rows=64, channels=36864) == ShortConvTuning(
+      block=128, rows=4, token_block=8)
+  assert resolve_tuning(ShortConvTuning(rows=3, token_block=32), num_rows=64, channels=36864) == ShortConvTuning(
+      block=1024, rows=3, token_block=32)
+  assert resolve_tuning(None, num_rows=64, channels=36864) == default_tuning(num_rows=64, channels=36864)
 
 
 @pytest.mark.parametrize("x_shape, idx, acc, match", [
@@ -340,7 +379,7 @@ def test_update_empty_batch(impl, speculative, kernel_impl):
   x = jnp.zeros((0, 3, 256) if speculative else (0, 256))
   kw = dict(num_accepted=jnp.zeros((0,), jnp.int32)) if speculative else {}
   y, new_pool = short_conv_update(x, weight, conv_pool=pool, state_indices=jnp.zeros(x.shape[:-1], jnp.int32),
-                                  impl=kernel_impl if impl == "kernel" else impl, **kw)
+                                  config=ShortConvConfig(impl=kernel_impl if impl == "kernel" else impl), **kw)
   assert y.shape == x.shape and y.dtype == x.dtype
   np.testing.assert_array_equal(np.asarray(new_pool), np.asarray(pool))
 

@@ -1,27 +1,22 @@
-"""The short conv Mosaic GPU kernels (interpret mode on CPU, compiled on a Hopper GPU: the ``kernel_impl``
-fixture): decode vs a float64 oracle and vs the pure-JAX ``short_conv_update(impl="xla")``; prefill vs the pure-JAX
-``short_conv_prefill(impl="xla")`` (itself checked against a float64 oracle in ``test_short_conv.py``, which also
-runs the prefill kernel against that oracle)."""
+"""The short conv Mosaic GPU kernels through the public API (interpret mode on CPU, compiled on a Hopper GPU: the
+``kernel_impl`` fixture): decode vs a float64 oracle and vs the pure-JAX ``impl="xla"``; prefill vs the pure-JAX
+``impl="xla"`` (itself checked against a float64 oracle in ``test_short_conv.py``, which also runs the prefill
+kernel against that oracle). Grids other than the heuristic's are run through ``ShortConvTuning``."""
 
 import functools
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
 from pallas_kernels import util
-from pallas_kernels.kda import short_conv_kernel
-from pallas_kernels.kda.short_conv import short_conv_prefill, short_conv_update
+from pallas_kernels.short_conv import (ShortConvConfig, ShortConvTuning, default_tuning, short_conv_prefill,
+                                      short_conv_update)
+from pallas_kernels.short_conv import config as sc_config, kernel as sc_kernel
 
-W = 4
-F32, BF16 = jnp.float32, jnp.bfloat16
-# f32 rows: the only rounding is the f32 sum of W products and the SiLU, ~1e-6 relative at |y| ~ 3.
-F32_TOL = dict(rtol=1e-5, atol=1e-5)
-# bf16 y: one rounding of an f32 result (half an ulp, 2^-9 relative); f32 and float64 may land on
-# neighbouring bf16 numbers, so allow one ulp (2^-8) with some room.
-BF16_TOL = dict(rtol=8e-3, atol=1e-5)
+from short_conv_support import (BF16, BF16_TOL, F32, F32_TOL, W, assert_bitwise_equal, check_prefill, inputs,
+                                prefill_both, prefill_inputs)
 
 
 def _oracle(x, weight, pool, slots, accepted, activation="silu"):
@@ -45,51 +40,28 @@ def _oracle(x, weight, pool, slots, accepted, activation="silu"):
   return y, new_pool
 
 
-def _np_dtype(dtype):
-  return ml_dtypes.bfloat16 if dtype == BF16 else np.float32
-
-
-def _inputs(seed, n, steps, d, num_slots, dtype, pool_dtype, poison=()):
-  # NumPy draws: eager jax.random would compile one XLA program per shape (seconds per test on CPU).
-  # Projection outputs of unit scale; taps of a short conv are O(1/sqrt(W)). Slots in ``poison`` are NaN.
-  rng = np.random.default_rng(seed)
-  x = rng.standard_normal((n, steps, d)).astype(_np_dtype(dtype))
-  weight = (rng.standard_normal((d, W)) / 2).astype(_np_dtype(dtype))
-  pool = rng.standard_normal((num_slots, W - 1, d)).astype(_np_dtype(pool_dtype))
-  pool[list(poison)] = np.nan
-  return x, weight, pool
-
-
-def _kernel(x, weight, pool, slots, accepted, *, impl, activation="silu", block_rows=None, single=False):
-  """The kernel (``impl`` pallas or interpret) on one device (interpret mode keeps per-device barrier state)."""
+def _kernel(x, weight, pool, slots, accepted, *, impl, activation="silu", tuning=None, single=False):
+  """``short_conv_update`` with the kernel (``impl`` pallas or interpret) and ``tuning``, on one device
+  (interpret mode keeps per-device barrier state)."""
   put = functools.partial(jax.device_put, device=jax.devices()[0])
   slots = put(np.asarray(slots, np.int32))
   if single:
     x, slots, accepted = x[:, 0], slots[:, 0], None
   else:
     accepted = put(np.asarray(accepted, np.int32))
-  y, new_pool = short_conv_kernel.short_conv_update_mosaic(put(x), put(weight), put(pool), slots, accepted,
-                                                           activation=activation, interpret=impl == "interpret",
-                                                           block_rows=block_rows)
+  y, new_pool = short_conv_update(put(x), put(weight), conv_pool=put(pool), state_indices=slots, num_accepted=accepted,
+                                  config=ShortConvConfig(activation=activation, impl=impl, tuning=tuning))
   assert y.shape == x.shape and y.dtype == x.dtype
   assert new_pool.shape == pool.shape and new_pool.dtype == pool.dtype
   return np.asarray(y).reshape(x.shape[0], -1, x.shape[-1]), np.asarray(new_pool)
 
 
-def _assert_bitwise_equal(a, b):
-  """Equal bit patterns (NaN payloads included)."""
-  a, b = np.asarray(a), np.asarray(b)
-  assert a.dtype == b.dtype and a.shape == b.shape
-  uint = {2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
-  np.testing.assert_array_equal(a.view(uint), b.view(uint))
-
-
 def _check_two_donated_calls(op, kernel_impl: str, x, pool, untouched: list[int], **kw) -> None:
-  """``op(x, conv_pool=..., impl=...)`` twice in a row under jit with the pool donated, the kernel against
+  """``op(x, conv_pool=..., config=...)`` twice in a row under jit with the pool donated, the kernel against
   impl="xla": outputs within one bf16 ulp, pools bitwise equal, ``untouched`` slots bitwise unchanged."""
   outs = {}
   for impl in ("xla", kernel_impl):
-    step = jax.jit(functools.partial(op, **kw, impl=impl), donate_argnames="conv_pool")
+    step = jax.jit(functools.partial(op, **kw, config=ShortConvConfig(impl=impl)), donate_argnames="conv_pool")
     p, ys = jnp.asarray(pool), []
     for _ in range(2):
       y, p = step(jnp.asarray(x), conv_pool=p)
@@ -99,8 +71,8 @@ def _check_two_donated_calls(op, kernel_impl: str, x, pool, untouched: list[int]
   for y, y_ref in zip(ys, ys_ref):
     # The same f32 math in a different order, both rounded to bf16: at most one ulp apart.
     np.testing.assert_allclose(y, y_ref, **BF16_TOL)
-  _assert_bitwise_equal(p, p_ref)
-  _assert_bitwise_equal(p[untouched], pool[untouched])
+  assert_bitwise_equal(p, p_ref)
+  assert_bitwise_equal(p[untouched], pool[untouched])
 
 
 def _check(y, new_pool, y_ref, pool_ref, *, dtype, dead_rows, untouched, pool):
@@ -108,51 +80,51 @@ def _check(y, new_pool, y_ref, pool_ref, *, dtype, dead_rows, untouched, pool):
   np.testing.assert_array_equal(y[dead_rows], 0.0)
   # Windows are raw rows moved around, rounded once to the pool dtype: exact, as in the oracle. Untouched
   # slots (NaN-poisoned, some of them never read) keep their bits.
-  _assert_bitwise_equal(new_pool, pool_ref)
-  _assert_bitwise_equal(new_pool[untouched], pool[untouched])
+  assert_bitwise_equal(new_pool, pool_ref)
+  assert_bitwise_equal(new_pool[untouched], pool[untouched])
 
 
-@pytest.mark.parametrize("dtype, pool_dtype, d, block_rows", [
-    (F32, F32, 512, (128, 1)),
+@pytest.mark.parametrize("dtype, pool_dtype, d, tuning", [
+    (F32, F32, 512, ShortConvTuning(block=128, rows=1)),
     # 3 rows per program: the second program has one row, two past the end; a last block of 128 channels.
-    (BF16, BF16, 640, (256, 3)),
-    (BF16, F32, 1536, (512, 2)),
+    (BF16, BF16, 640, ShortConvTuning(block=256, rows=3)),
+    (BF16, F32, 1536, ShortConvTuning(block=512, rows=2)),
     (F32, BF16, 384, None),
 ])
-def test_one_token_matches_oracle(kernel_impl, dtype, pool_dtype, d, block_rows):
+def test_one_token_matches_oracle(kernel_impl, dtype, pool_dtype, d, tuning):
   n, num_slots = 4, 8
   untouched = [1, 3, 4, 6, 7]
-  x, weight, pool = _inputs(0, n, 1, d, num_slots, dtype, pool_dtype, poison=untouched)
+  x, weight, pool = inputs(0, n, 1, d, num_slots, dtype, pool_dtype, poison=untouched)
   slots = np.asarray([[5], [-1], [0], [2]])  # the -1 row outputs 0 and touches nothing
-  y, new_pool = _kernel(x, weight, pool, slots, None, impl=kernel_impl, block_rows=block_rows, single=True)
+  y, new_pool = _kernel(x, weight, pool, slots, None, impl=kernel_impl, tuning=tuning, single=True)
   y_ref, pool_ref = _oracle(x, weight, pool, slots, [1] * n)
   _check(y, new_pool, y_ref, pool_ref, dtype=dtype, dead_rows=[1], untouched=untouched, pool=pool)
 
 
-@pytest.mark.parametrize("dtype, pool_dtype, activation, d, block_rows", [
-    (F32, F32, "silu", 1024, (256, 1)),
-    (BF16, BF16, None, 1024, (128, 2)),
-    (F32, BF16, "silu", 1536, (1024, 2)),  # x rows rounded to the pool dtype when written; a last block of 512
+@pytest.mark.parametrize("dtype, pool_dtype, activation, d, tuning", [
+    (F32, F32, "silu", 1024, ShortConvTuning(block=256, rows=1)),
+    (BF16, BF16, None, 1024, ShortConvTuning(block=128, rows=2)),
+    # x rows rounded to the pool dtype when written; a last block of 512
+    (F32, BF16, "silu", 1536, ShortConvTuning(block=1024, rows=2)),
 ])
-def test_speculative_matches_oracle(kernel_impl, dtype, pool_dtype, activation, d, block_rows):
+def test_speculative_matches_oracle(kernel_impl, dtype, pool_dtype, activation, d, tuning):
   n, steps, num_slots = 3, 3, 12
   # Row 0 resumes from its 2nd column (slot 1, also written by it); row 1's read slot is -1 (padding: its
   # other slots stay untouched); row 2 skips writing column 1. Slot 10 is NaN and never read or written.
   slots = np.asarray([[0, 1, 2], [-1, 4, 5], [6, -1, 8]])
   accepted = [2, 1, 3]
   untouched = [3, 4, 5, 7, 9, 10, 11]
-  x, weight, pool = _inputs(1, n, steps, d, num_slots, dtype, pool_dtype, poison=untouched)
-  y, new_pool = _kernel(x, weight, pool, slots, accepted, impl=kernel_impl, activation=activation,
-                        block_rows=block_rows)
+  x, weight, pool = inputs(1, n, steps, d, num_slots, dtype, pool_dtype, poison=untouched)
+  y, new_pool = _kernel(x, weight, pool, slots, accepted, impl=kernel_impl, activation=activation, tuning=tuning)
   y_ref, pool_ref = _oracle(x, weight, pool, slots, accepted, activation=activation)
   _check(y, new_pool, y_ref, pool_ref, dtype=dtype, dead_rows=[1], untouched=untouched, pool=pool)
 
 
 @pytest.mark.parametrize("speculative", [False, True])
 def test_public_api_matches_xla(kernel_impl, speculative):
-  """``short_conv_update(impl=kernel)`` vs ``impl="xla"``, two steps in a row under jit (pool donated)."""
+  """``short_conv_update`` with the kernel vs ``impl="xla"``, two steps in a row under jit (pool donated)."""
   n, steps, d, num_slots = 3, 2 if speculative else 1, 256, 8
-  x, weight, pool = _inputs(2, n, steps, d, num_slots, BF16, BF16, poison=[6])
+  x, weight, pool = inputs(2, n, steps, d, num_slots, BF16, BF16, poison=[6])
   slots = jnp.asarray([[0, 1], [-1, 2], [4, 5]] if speculative else [[1], [-1], [4]], jnp.int32)
   accepted = jnp.asarray([2, 1, 1], jnp.int32) if speculative else None
   if not speculative:
@@ -162,32 +134,33 @@ def test_public_api_matches_xla(kernel_impl, speculative):
 
 
 def test_rejects_unsupported_channels_and_bad_impl():
-  x, weight, pool = _inputs(3, 1, 1, 96, 2, F32, F32)
+  x, weight, pool = inputs(3, 1, 1, 96, 2, F32, F32)
   args = (jnp.asarray(x[:, 0]), jnp.asarray(weight))
   kw = dict(conv_pool=jnp.asarray(pool), state_indices=jnp.asarray([0], jnp.int32))
   with pytest.raises(NotImplementedError, match="D % 128 == 0, got D=96"):
-    short_conv_update(*args, **kw, impl="interpret")
+    short_conv_update(*args, **kw, config=ShortConvConfig(impl="interpret"))
   with pytest.raises(ValueError, match="impl must be one of"):
-    short_conv_update(*args, **kw, impl="triton")
+    short_conv_update(*args, **kw, config=ShortConvConfig(impl="triton"))
 
 
 def test_empty_batch(kernel_impl):
-  _, weight, pool = _inputs(3, 1, 1, 256, 2, F32, F32)
+  _, weight, pool = inputs(3, 1, 1, 256, 2, F32, F32)
   y, new_pool = short_conv_update(jnp.zeros((0, 256)), jnp.asarray(weight), conv_pool=jnp.asarray(pool),
-                                  state_indices=jnp.zeros((0,), jnp.int32), impl=kernel_impl)
+                                  state_indices=jnp.zeros((0,), jnp.int32), config=ShortConvConfig(impl=kernel_impl))
   assert y.shape == (0, 256) and y.dtype == jnp.float32
-  _assert_bitwise_equal(new_pool, pool)
+  assert_bitwise_equal(new_pool, pool)
 
 
 @pytest.mark.parametrize("n, d", [(1, 36864), (256, 36864), (8, 4224), (256, 4224), (3, 384)])
 def test_plan_fills_the_gpu(n, d):
-  block, rows = short_conv_kernel.plan(n, d)
-  assert 1 <= rows <= short_conv_kernel.MAX_ROWS
+  tuning = default_tuning(num_rows=n, channels=d)
+  block, rows = tuning.block, tuning.rows
+  assert 1 <= rows <= sc_config.MAX_ROWS
   programs = -(-d // block) * -(-n // rows)
   # Enough programs for every SM when there are enough channels; 16-byte bf16 accesses for big batches.
   assert programs >= min(util.NUM_SMS, n * d // 128)
-  if n * d >= 1024 * short_conv_kernel.TARGET_PROGRAMS:
-    assert block == 1024 and programs >= short_conv_kernel.TARGET_PROGRAMS
+  if n * d >= 1024 * sc_config.TARGET_PROGRAMS:
+    assert block == 1024 and programs >= sc_config.TARGET_PROGRAMS
 
 
 @pytest.mark.parametrize("n, d", [(1, 3 * 96 * 128), (256, 3 * 96 * 128), (256, 3 * 11 * 128)])
@@ -200,7 +173,8 @@ def test_lowers_for_cuda(n, d, steps, dtype, pool_dtype):
   shapes = [jax.ShapeDtypeStruct((*lead, d), dtype), jax.ShapeDtypeStruct((d, W), dtype),
             jax.ShapeDtypeStruct((2 * n * steps, W - 1, d), pool_dtype), jax.ShapeDtypeStruct(lead, jnp.int32),
             jax.ShapeDtypeStruct((n,), jnp.int32) if steps > 1 else None]
-  f = functools.partial(short_conv_kernel.short_conv_update_mosaic, activation="silu", interpret=False)
+  f = lambda x, weight, pool, slots, accepted: short_conv_update(
+      x, weight, conv_pool=pool, state_indices=slots, num_accepted=accepted, config=ShortConvConfig(impl="pallas"))
   text = jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
@@ -220,62 +194,26 @@ def test_real_sizes_on_gpu(n, steps, d):
   accepted = rng.integers(1, steps + 1, n)
   accepted[0] = 1
   untouched = list(range(n * steps, num_slots))
-  x, weight, pool = _inputs(4, n, steps, d, num_slots, BF16, BF16, poison=untouched)
+  x, weight, pool = inputs(4, n, steps, d, num_slots, BF16, BF16, poison=untouched)
   kw = dict(conv_pool=jnp.asarray(pool), state_indices=jnp.asarray(slots if steps > 1 else slots[:, 0], jnp.int32),
             num_accepted=jnp.asarray(accepted, jnp.int32) if steps > 1 else None)
   xs = jnp.asarray(x if steps > 1 else x[:, 0])
-  y_ref, p_ref = short_conv_update(xs, jnp.asarray(weight), **kw, impl="xla")
-  y, p = short_conv_update(xs, jnp.asarray(weight), **kw, impl="pallas")
+  y_ref, p_ref = short_conv_update(xs, jnp.asarray(weight), **kw, config=ShortConvConfig(impl="xla"))
+  y, p = short_conv_update(xs, jnp.asarray(weight), **kw, config=ShortConvConfig(impl="pallas"))
   np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_ref, np.float32), **BF16_TOL)
-  _assert_bitwise_equal(np.asarray(p), np.asarray(p_ref))
-  _assert_bitwise_equal(np.asarray(p)[untouched], pool[untouched])
+  assert_bitwise_equal(np.asarray(p), np.asarray(p_ref))
+  assert_bitwise_equal(np.asarray(p)[untouched], pool[untouched])
 
 
-def _prefill_inputs(seed, lengths, d, num_slots, dtype, pool_dtype, poison=()):
-  """x [T, d], weight, pool (slots in ``poison`` NaN) and cu_seqlens for sequences of ``lengths``."""
-  x, weight, pool = _inputs(seed, sum(lengths), 1, d, num_slots, dtype, pool_dtype, poison=poison)
-  return x[:, 0], weight, pool, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-
-
-def _prefill_both(x, weight, pool, cu, slots, has_init, ckpts, *, impl, activation="silu", blocks=None):
-  """``short_conv_prefill(impl="xla")`` and the kernel (``impl``, on one device, with ``blocks``); ``ckpts``:
-  (sequence, offset, slot) sorted by sequence, or None. Returns ((y, pool) xla, (y, pool) kernel) as NumPy."""
-  put = functools.partial(jax.device_put, device=jax.devices()[0])
-  n = len(slots)
-  args = dict(cu_seqlens=put(cu), state_indices=put(np.asarray(slots, np.int32)),
-              has_initial_state=put(np.asarray(has_init)), checkpoint_indptr=None, checkpoint_offsets=None,
-              checkpoint_slots=None)
-  if ckpts is not None:
-    args.update(checkpoint_indptr=put(np.searchsorted([c[0] for c in ckpts], np.arange(n + 1)).astype(np.int32)),
-                checkpoint_offsets=put(np.asarray([c[1] for c in ckpts], np.int32).reshape(-1)),
-                checkpoint_slots=put(np.asarray([c[2] for c in ckpts], np.int32).reshape(-1)))
-  xs, ws, ps = put(x), put(weight), put(pool)
-  ref = short_conv_prefill(xs, ws, conv_pool=ps, **args, activation=activation, impl="xla")
-  out = short_conv_kernel.short_conv_prefill_mosaic(xs, ws, args["cu_seqlens"], ps, args["state_indices"],
-                                                    args["has_initial_state"], args["checkpoint_indptr"],
-                                                    args["checkpoint_offsets"], args["checkpoint_slots"],
-                                                    activation=activation, interpret=impl == "interpret",
-                                                    blocks=blocks)
-  assert out[0].shape == x.shape and out[0].dtype == x.dtype
-  assert out[1].shape == pool.shape and out[1].dtype == pool.dtype
-  return [tuple(np.asarray(a) for a in r) for r in (ref, out)]
-
-
-def _check_prefill(ref, out, *, dtype, untouched, pool):
-  (y_ref, p_ref), (y, p) = ref, out
-  # The same f32 math in a different order, rounded once to x's dtype.
-  np.testing.assert_allclose(y.astype(np.float32), y_ref.astype(np.float32),
-                             **(F32_TOL if dtype == F32 else BF16_TOL))
-  _assert_bitwise_equal(p, p_ref)
-  _assert_bitwise_equal(p[untouched], pool[untouched])
-
-
-@pytest.mark.parametrize("dtype, pool_dtype, activation, d, blocks", [
-    (BF16, BF16, "silu", 1280, (1024, 8)),  # a last channel block of 256; 16-byte bf16 accesses
-    (F32, BF16, None, 384, (256, 16)),  # x rows rounded to the pool dtype when written
-    (BF16, F32, "silu", 256, (128, 64)),  # the largest token block: one token program, its tail past T
+@pytest.mark.parametrize("dtype, pool_dtype, activation, d, tuning", [
+    # a last channel block of 256; 16-byte bf16 accesses
+    (BF16, BF16, "silu", 1280, ShortConvTuning(block=1024, token_block=8)),
+    # x rows rounded to the pool dtype when written
+    (F32, BF16, None, 384, ShortConvTuning(block=256, token_block=16)),
+    # the largest token block: one token program, its tail past T
+    (BF16, F32, "silu", 256, ShortConvTuning(block=128, token_block=64)),
 ])
-def test_prefill_matches_xla(kernel_impl, dtype, pool_dtype, activation, d, blocks):
+def test_prefill_matches_xla(kernel_impl, dtype, pool_dtype, activation, d, tuning):
   """Varlen with empty sequences (also first and last), sequences shorter than W - 1, a sequence starting and
   one ending inside a token block, with and without history, slot -1, checkpoints (offsets below W - 1, at the
   end, a -1 slot), NaN-poisoned slots never read or written."""
@@ -287,24 +225,24 @@ def test_prefill_matches_xla(kernel_impl, dtype, pool_dtype, activation, d, bloc
   # The slots of the empty sequences with an initial state, and spares; slot 7 (empty, no initial state) is
   # never read but takes zeros.
   untouched = [0, 4, 13, 14, 15]
-  x, weight, pool, cu = _prefill_inputs(5, lengths, d, num_slots, dtype, pool_dtype, poison=untouched + [7])
-  ref, out = _prefill_both(x, weight, pool, cu, slots, has_init, ckpts, impl=kernel_impl, activation=activation,
-                           blocks=blocks)
-  _check_prefill(ref, out, dtype=dtype, untouched=untouched, pool=pool)
+  x, weight, pool, cu = prefill_inputs(5, lengths, d, num_slots, dtype, pool_dtype, poison=untouched + [7])
+  ref, out = prefill_both(x, weight, pool, cu, slots, has_init, ckpts, impl=kernel_impl, activation=activation,
+                          tuning=tuning)
+  check_prefill(ref, out, dtype=dtype, untouched=untouched, pool=pool)
 
 
 def test_prefill_one_sequence_without_checkpoints(kernel_impl):
   """The default plan, one long sequence resuming from its own slot (read, then overwritten), no checkpoints."""
-  x, weight, pool, cu = _prefill_inputs(6, [37], 256, 3, BF16, BF16, poison=[2])
-  ref, out = _prefill_both(x, weight, pool, cu, [1], [True], None, impl=kernel_impl)
-  _check_prefill(ref, out, dtype=BF16, untouched=[0, 2], pool=pool)
+  x, weight, pool, cu = prefill_inputs(6, [37], 256, 3, BF16, BF16, poison=[2])
+  ref, out = prefill_both(x, weight, pool, cu, [1], [True], None, impl=kernel_impl)
+  check_prefill(ref, out, dtype=BF16, untouched=[0, 2], pool=pool)
 
 
 def test_prefill_public_api_matches_xla(kernel_impl):
-  """``short_conv_prefill(impl=kernel)`` vs ``impl="xla"``, two calls in a row under jit (pool donated): the
+  """``short_conv_prefill`` with the kernel vs ``impl="xla"``, two calls in a row under jit (pool donated): the
   second resumes from the states the first wrote."""
   lengths, d = [5, 0, 2, 11], 256
-  x, weight, pool, cu = _prefill_inputs(7, lengths, d, 8, BF16, BF16, poison=[6])
+  x, weight, pool, cu = prefill_inputs(7, lengths, d, 8, BF16, BF16, poison=[6])
   kw = dict(cu_seqlens=jnp.asarray(cu), state_indices=jnp.asarray([0, 1, 2, 3], jnp.int32),
             has_initial_state=jnp.asarray([True, True, False, True]),
             checkpoint_indptr=jnp.asarray([0, 1, 1, 1, 2], jnp.int32),
@@ -313,32 +251,65 @@ def test_prefill_public_api_matches_xla(kernel_impl):
 
 
 def test_prefill_empty_tokens_and_rejects(kernel_impl):
-  _, weight, pool, _ = _prefill_inputs(8, [1], 256, 2, F32, F32)
+  _, weight, pool, _ = prefill_inputs(8, [1], 256, 2, F32, F32)
   kw = dict(conv_pool=jnp.asarray(pool), state_indices=jnp.asarray([0, 1], jnp.int32),
             has_initial_state=jnp.asarray([True, True]), cu_seqlens=jnp.zeros((3,), jnp.int32))
-  y, new_pool = short_conv_prefill(jnp.zeros((0, 256)), jnp.asarray(weight), **kw, impl=kernel_impl)
+  y, new_pool = short_conv_prefill(jnp.zeros((0, 256)), jnp.asarray(weight), **kw,
+                                   config=ShortConvConfig(impl=kernel_impl))
   assert y.shape == (0, 256) and y.dtype == jnp.float32
-  _assert_bitwise_equal(new_pool, pool)
-  x96, w96, p96, cu = _prefill_inputs(8, [3], 96, 2, F32, F32)
+  assert_bitwise_equal(new_pool, pool)
+  x96, w96, p96, cu = prefill_inputs(8, [3], 96, 2, F32, F32)
   with pytest.raises(NotImplementedError, match="D % 128 == 0, got D=96"):
     short_conv_prefill(jnp.asarray(x96), jnp.asarray(w96), conv_pool=jnp.asarray(p96), cu_seqlens=jnp.asarray(cu),
                        state_indices=jnp.asarray([0], jnp.int32), has_initial_state=jnp.asarray([True]),
-                       impl=kernel_impl)
-  with pytest.raises(ValueError, match=r"blocks must be \(BD, BT\) with BD in .* and BT in .*, got \(1024, 24\)"):
-    short_conv_kernel.short_conv_prefill_mosaic(*(jnp.zeros((8, 256)), jnp.asarray(weight), jnp.asarray([0, 8]),
-                                                  jnp.asarray(pool), jnp.asarray([0]), jnp.asarray([True])),
-                                                None, None, None, activation="silu", interpret=True,
-                                                blocks=(1024, 24))
+                       config=ShortConvConfig(impl=kernel_impl))
+  with pytest.raises(ValueError, match=r"token_block must be one of \(64, 32, 16, 8\) or None, got 24"):
+    ShortConvTuning(block=1024, token_block=24)
 
 
 @pytest.mark.parametrize("t, d", [(8192, 36864), (8192, 4224), (512, 36864), (37, 384)])
 def test_prefill_plan_fills_the_gpu(t, d):
-  block, tokens = short_conv_kernel.prefill_plan(t, d)
-  assert block in short_conv_kernel.BLOCKS and tokens % short_conv_kernel.UNROLL == 0
+  tuning = default_tuning(num_rows=t, channels=d)
+  block, tokens = tuning.block, tuning.token_block
+  assert block in sc_config.BLOCKS and tokens % sc_config.UNROLL == 0
   programs = -(-d // block) * -(-t // tokens)
-  assert programs >= min(short_conv_kernel.TARGET_PROGRAMS, -(-d // block) * -(-t // short_conv_kernel.UNROLL))
-  if t * d >= 1024 * 64 * short_conv_kernel.TARGET_PROGRAMS:
+  assert programs >= min(sc_config.TARGET_PROGRAMS, -(-d // block) * -(-t // sc_config.UNROLL))
+  if t * d >= 1024 * 64 * sc_config.TARGET_PROGRAMS:
     assert (block, tokens) == (1024, 64)
+
+
+@pytest.mark.parametrize("op", ["update", "prefill"])
+def test_tuning_reaches_the_kernel(kernel_impl, monkeypatch, op):
+  """A ``ShortConvTuning`` other than the heuristic's reaches the kernel's grid (a spy on its jitted body records
+  the static grid arguments) and gives the results of the default grid: the per-channel f32 arithmetic is the
+  same whatever the program that owns a channel. D = 384: a last block of 128 channels at block 256."""
+  body = {"update": "_update", "prefill": "_prefill"}[op]
+  real, seen = getattr(sc_kernel, body), []
+
+  def spy(*args, **kw):
+    seen.append({k: kw[k] for k in ("block", "rows", "token_block") if k in kw})
+    return real(*args, **kw)
+
+  monkeypatch.setattr(sc_kernel, body, spy)
+  d = 384
+  if op == "update":
+    x, weight, pool = inputs(11, 3, 2, d, 8, BF16, BF16, poison=[7])
+    slots, accepted = np.asarray([[0, 1], [-1, 2], [4, 5]]), [2, 1, 1]
+    run = lambda tuning: _kernel(x, weight, pool, slots, accepted, impl=kernel_impl, tuning=tuning)
+    grids = [dict(block=128, rows=1), dict(block=256, rows=2)]
+    tuned = ShortConvTuning(block=256, rows=2)
+  else:
+    x, weight, pool, cu = prefill_inputs(12, [0, 2, 1, 19, 5], d, 8, BF16, BF16, poison=[7])
+    run = lambda tuning: prefill_both(x, weight, pool, cu, [0, 1, 2, 3, 4], [True, False, True, True, False],
+                                       [(3, 2, 5), (3, 19, 6)], impl=kernel_impl, tuning=tuning)[1]
+    grids = [dict(block=128, token_block=8), dict(block=256, token_block=16)]
+    tuned = ShortConvTuning(block=256, token_block=16)
+  # The default grid of 3 rows (27 tokens) of 384 channels: the narrowest block, one row (8 tokens) per program.
+  assert {k: getattr(default_tuning(num_rows=x.shape[0], channels=d), k) for k in grids[0]} == grids[0]
+  (y, p), (y_tuned, p_tuned) = run(None), run(tuned)
+  assert seen == grids
+  assert_bitwise_equal(y_tuned, y)
+  assert_bitwise_equal(p_tuned, p)
 
 
 def _varlen(t: int, n: int, seed: int) -> np.ndarray:
@@ -361,7 +332,10 @@ def test_prefill_lowers_for_cuda(t, n, d, dtype, pool_dtype, checkpoints):
   ck = [s((n + 1,), i32), s((2 * n,), i32), s((2 * n,), i32)] if checkpoints else [None] * 3
   shapes = [s((t, d), dtype), s((d, W), dtype), s((n + 1,), i32), s((4 * n, W - 1, d), pool_dtype), s((n,), i32),
             s((n,), jnp.bool_), *ck]
-  f = functools.partial(short_conv_kernel.short_conv_prefill_mosaic, activation="silu", interpret=False)
+  f = lambda x, weight, cu, pool, slots, has_init, ck_ptr, ck_off, ck_slots: short_conv_prefill(
+      x, weight, cu_seqlens=cu, conv_pool=pool, state_indices=slots, has_initial_state=has_init,
+      checkpoint_indptr=ck_ptr, checkpoint_offsets=ck_off, checkpoint_slots=ck_slots,
+      config=ShortConvConfig(impl="pallas"))
   text = jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
@@ -379,6 +353,6 @@ def test_prefill_real_sizes_on_gpu(t, n, d):
   has_init = [i % 2 == 0 for i in range(n)]
   ckpts = [(i, off, n + 2 * i + j) for i in range(n) for j, off in enumerate((1, lengths[i])) if lengths[i] > 0]
   untouched = list(range(3 * n, num_slots))
-  x, weight, pool, cu = _prefill_inputs(10, lengths, d, num_slots, BF16, BF16, poison=untouched)
-  ref, out = _prefill_both(x, weight, pool, cu, slots, has_init, ckpts, impl="pallas")
-  _check_prefill(ref, out, dtype=BF16, untouched=untouched, pool=pool)
+  x, weight, pool, cu = prefill_inputs(10, lengths, d, num_slots, BF16, BF16, poison=untouched)
+  ref, out = prefill_both(x, weight, pool, cu, slots, has_init, ckpts, impl="pallas")
+  check_prefill(ref, out, dtype=BF16, untouched=untouched, pool=pool)

@@ -108,7 +108,8 @@ class KdaLayer(nnx.Module):
     for n, pool in _CONVS:
       conv[n], pools[pool] = ops.mesh_short_conv_prefill(
           pre[n], getattr(self, f"{n}_conv1d").taps(), cu_seqlens=cu_seqlens, conv_pool=getattr(state, pool),
-          state_indices=state_indices, has_initial_state=has_initial_state, impl=self.cfg.impl)
+          state_indices=state_indices, has_initial_state=has_initial_state,
+          config=self.cfg.short_conv_op_config())
     o, recurrent = ops.mesh_kda_prefill(
         self._heads(conv["q"]), self._heads(conv["k"]), self._heads(conv["v"]), g_raw, beta_raw,
         A_log=self.A_log[...], dt_bias=self.dt_bias[...], cu_seqlens=cu_seqlens, state_pool=state.recurrent,
@@ -120,9 +121,9 @@ class KdaLayer(nnx.Module):
     pre, g_raw, beta_raw = self._inputs(x)
     conv, pools = {}, {}
     for n, pool in _CONVS:
-      conv[n], pools[pool] = ops.mesh_short_conv_update(pre[n], getattr(self, f"{n}_conv1d").taps(),
-                                               conv_pool=getattr(state, pool), state_indices=state_indices,
-                                               impl=self.cfg.impl)
+      conv[n], pools[pool] = ops.mesh_short_conv_update(
+          pre[n], getattr(self, f"{n}_conv1d").taps(), conv_pool=getattr(state, pool), state_indices=state_indices,
+          config=self.cfg.short_conv_op_config())
     o, recurrent = ops.mesh_kda_decode(
         self._heads(conv["q"]), self._heads(conv["k"]), self._heads(conv["v"]), g_raw, beta_raw,
         A_log=self.A_log[...], dt_bias=self.dt_bias[...], state_pool=state.recurrent,

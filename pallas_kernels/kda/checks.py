@@ -1,8 +1,9 @@
-"""Index checks shared by the KDA ops and the short convolution: varlen prefill and pool-slot decode arguments.
+"""Index checks shared by the KDA ops and the short convolution (``pallas_kernels.short_conv``): varlen prefill and
+pool-slot decode arguments.
 
 Shapes and dtypes are always checked; index *values* only when the arrays are concrete (``util.concrete``), so
 the checks cost nothing under ``jax.jit``. Every failure is a ``ValueError`` naming the argument, what was
-expected and what was given. Kept apart from ``api`` so that the short convolution does not import the kernels.
+expected and what was given.
 """
 
 import jax

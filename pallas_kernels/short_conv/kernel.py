@@ -1,31 +1,9 @@
 """The short causal depthwise convolution as Mosaic GPU kernels: decode steps (``short_conv_update``) and varlen
 prefill (``short_conv_prefill``).
 
-Both ops are copies with a little arithmetic, so the kernels only stream: one warpgroup per program, each thread
-holding ``BD / 128`` consecutive channels (16-byte accesses for bf16 at ``BD = 1024``) loaded straight from GMEM
-into f32 registers, and every result stored straight back. When ``BD`` does not divide ``D`` the last channel
-block is the ``D mod BD`` remaining channels. The pool is updated in place: it is passed as a ``jax.new_ref``
-(``plgpu.kernel`` has no ``input_output_aliases``); like ``kda_decode`` the pool itself is not donated, so the
-update happens in place inside an enclosing jit that donates it.
-
-Decode: one program per (channel block, group of ``R`` rows); per row it reads ``W - 1`` pool rows and ``1 + S``
-input rows and writes ``1 + S`` outputs and up to ``1 + S`` new windows. Reads never race writes: a live row's
-read slot is one of its own written slots, and written slots are distinct across live rows (checked by
-``short_conv_update`` when the indices are concrete), so only the program that reads a slot's channels writes
-them, after its loads.
-
-Prefill: two kinds of program per channel block. A *token program* owns ``BT`` consecutive tokens: it reads the
-``W - 1`` rows before them and its own rows (a sliding window in registers) and writes ``y`` for the tokens at
-least ``W - 1`` into their sequence, whose windows hold ``x`` rows only. A *sequence program* owns one sequence:
-it reads the sequence's history (pool slot or zeros), writes ``y`` for the sequence's first ``W - 1`` tokens and
-then every pool row of the sequence (the final state and its checkpoints). So token programs never touch the
-pool, and each pool read and the writes that may overwrite it (a sequence's destination slot is its own source
-slot) happen in one program, in that order. Destination slots must not be another sequence's initial-state slot
-(as for ``kda_prefill``; the distinct-writes check of ``short_conv_prefill`` guarantees it for concrete indices).
-
-The taps arrive as ``weight [D, W]`` row-major, so one tap is a stride-``W`` column: it is loaded once per program
-one channel per thread-element and re-laid out through SMEM into the channels-per-thread layout of the rows (no
-transpose op per call).
+Streaming kernels, one warpgroup per program, rows loaded straight from GMEM into f32 registers and stored straight
+back; the pool is updated in place. README.md has the design: the programs of each kernel, why their pool reads
+never race the writes, and how the taps reach the registers.
 """
 
 import functools
@@ -38,40 +16,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_interpret, util
+from pallas_kernels.short_conv.config import BLOCKS, UNROLL, ShortConvConfig, resolve_tuning
 
-BLOCKS = (1024, 512, 256, 128)  # channels per program, widest first; 128 threads x up to 8 channels
 MAX_VEC = 8  # channels per thread and access: 16 bytes of bf16
-# Grid sizing for an H200 (132 SMs): at least one program per SM, and rows grouped per program (the taps
-# are loaded once per program) only while about 16 resident programs per SM remain.
-TARGET_PROGRAMS = 16 * util.NUM_SMS
-MAX_ROWS = 4
-# Prefill token programs: BT tokens each, widest first; rows are loaded UNROLL at a time (independent loads in
-# flight per thread), so every BT is a multiple of UNROLL.
-TOKEN_BLOCKS = (64, 32, 16, 8)
-UNROLL = 8
-
-
-def plan(n: int, d: int) -> tuple[int, int]:
-  """``(BD, R)``: channels and rows per program for ``n`` rows of ``d`` channels (``d % 128 == 0``).
-
-  The widest block that still gives every SM a program (small batches are latency bound: more programs
-  issue more loads at once), then as many rows per program as keep ``TARGET_PROGRAMS`` programs.
-  """
-  block = next((b for b in BLOCKS if n * util.cdiv(d, b) >= util.NUM_SMS), BLOCKS[-1])
-  rows = max(1, min(MAX_ROWS, n * util.cdiv(d, block) // TARGET_PROGRAMS))
-  return block, rows
-
-
-def prefill_plan(t: int, d: int) -> tuple[int, int]:
-  """``(BD, BT)``: channels and tokens per prefill token program for ``t`` tokens of ``d`` channels.
-
-  ``BD`` as ``plan``; then the longest token block that keeps ``TARGET_PROGRAMS`` programs (the ``W - 1`` rows
-  read before a block are re-read, about 5% more traffic at ``BT = 64``).
-  """
-  block = plan(t, d)[0]
-  tokens = next((b for b in TOKEN_BLOCKS if util.cdiv(t, b) * util.cdiv(d, block) >= TARGET_PROGRAMS),
-                TOKEN_BLOCKS[-1])
-  return block, tokens
 
 
 def _vec(channels: int) -> int:
@@ -204,8 +151,8 @@ def _check_channels(d: int) -> None:
 
 
 def short_conv_update_mosaic(x: jax.Array, weight: jax.Array, conv_pool: jax.Array, state_indices: jax.Array,
-                             num_accepted: jax.Array | None, *, activation: str | None, interpret: bool,
-                             block_rows: tuple[int, int] | None = None) -> tuple[jax.Array, jax.Array]:
+                             num_accepted: jax.Array | None, *, config: ShortConvConfig,
+                             interpret: bool) -> tuple[jax.Array, jax.Array]:
   """Kernel path of ``short_conv_update``: inputs already validated by it (same shapes and meaning).
 
   Args:
@@ -213,10 +160,9 @@ def short_conv_update_mosaic(x: jax.Array, weight: jax.Array, conv_pool: jax.Arr
     weight: ``[D, W]`` taps, oldest first, f32/bf16/f16.
     conv_pool: ``[P, W - 1, D]`` conv state pool, any float dtype (kept; not donated here).
     state_indices: ``[N]`` or ``[N, 1 + S]`` int slots; num_accepted: ``[N]`` int (speculative form) or None.
-    activation: ``"silu"`` or None.
+    config: ``config.activation`` and the grid ``config.tuning`` (``block`` and ``rows``; None fields from
+      ``resolve_tuning``).
     interpret: run in Mosaic GPU interpret mode (CPU).
-    block_rows: ``(BD, R)`` channels and rows per program (``BD`` in ``BLOCKS``, ``R >= 1``); None:
-      ``plan(N, D)``. Lets small tests run the configs of large shapes.
 
   Returns:
     ``y`` (x's shape and dtype) and the new pool.
@@ -228,11 +174,9 @@ def short_conv_update_mosaic(x: jax.Array, weight: jax.Array, conv_pool: jax.Arr
   _check_channels(d)
   if n == 0:  # no program to run (a grid dimension of 0 does not lower)
     return x, conv_pool
-  block, rows = plan(n, d) if block_rows is None else block_rows
-  if block not in BLOCKS or rows < 1:
-    raise ValueError(f"block_rows must be (BD, R) with BD in {BLOCKS} and R >= 1, got {block_rows}")
-  return _update(x, weight, conv_pool, state_indices, num_accepted, activation=activation, interpret=interpret,
-                 block=block, rows=rows)
+  tuning = resolve_tuning(config.tuning, num_rows=n, channels=d)
+  return _update(x, weight, conv_pool, state_indices, num_accepted, activation=config.activation,
+                 interpret=interpret, block=tuning.block, rows=tuning.rows)
 
 
 def _prefill_body(x_ref, w_ref, head_ref, cu_ref, slots_ref, read_ref, ck_ptr_ref, ck_off_ref, ck_slot_ref,
@@ -346,8 +290,8 @@ def _prefill(x, weight, cu_seqlens, conv_pool, state_indices, has_initial_state,
 def short_conv_prefill_mosaic(x: jax.Array, weight: jax.Array, cu_seqlens: jax.Array, conv_pool: jax.Array,
                               state_indices: jax.Array, has_initial_state: jax.Array,
                               checkpoint_indptr: jax.Array | None, checkpoint_offsets: jax.Array | None,
-                              checkpoint_slots: jax.Array | None, *, activation: str | None, interpret: bool,
-                              blocks: tuple[int, int] | None = None) -> tuple[jax.Array, jax.Array]:
+                              checkpoint_slots: jax.Array | None, *, config: ShortConvConfig,
+                              interpret: bool) -> tuple[jax.Array, jax.Array]:
   """Kernel path of ``short_conv_prefill``: inputs already validated by it (same shapes and meaning).
 
   Args:
@@ -355,10 +299,9 @@ def short_conv_prefill_mosaic(x: jax.Array, weight: jax.Array, cu_seqlens: jax.A
     cu_seqlens: ``[N + 1]`` int. conv_pool: ``[P, W - 1, D]``, any float dtype (kept; not donated here).
     state_indices: ``[N]`` int slots (-1: zero history, write nothing). has_initial_state: ``[N]`` bool.
     checkpoint_indptr, checkpoint_offsets, checkpoint_slots: ``[N + 1]``, ``[M]``, ``[M]`` int, or all None.
-    activation: ``"silu"`` or None.
+    config: ``config.activation`` and the grid ``config.tuning`` (``block`` and ``token_block``; None fields
+      from ``resolve_tuning``).
     interpret: run in Mosaic GPU interpret mode (CPU).
-    blocks: ``(BD, BT)`` channels and tokens per token program (``BD`` in ``BLOCKS``, ``BT`` in
-      ``TOKEN_BLOCKS``); None: ``prefill_plan(T, D)``. Lets small tests run the configs of large shapes.
 
   Returns:
     ``y [T, D]`` in x's dtype and the new pool. Destination slots (final states and checkpoints) must not be
@@ -374,11 +317,9 @@ def short_conv_prefill_mosaic(x: jax.Array, weight: jax.Array, cu_seqlens: jax.A
     # kernel on one unused zero row (a program's loads need a row to read).
     y, pool = short_conv_prefill_mosaic(jnp.zeros((1, d), x.dtype), weight, cu_seqlens, conv_pool, state_indices,
                                         has_initial_state, checkpoint_indptr, checkpoint_offsets, checkpoint_slots,
-                                        activation=activation, interpret=interpret, blocks=blocks)
+                                        config=config, interpret=interpret)
     return y[:0], pool
-  block, token_block = prefill_plan(num_tokens, d) if blocks is None else blocks
-  if block not in BLOCKS or token_block not in TOKEN_BLOCKS:
-    raise ValueError(f"blocks must be (BD, BT) with BD in {BLOCKS} and BT in {TOKEN_BLOCKS}, got {blocks}")
+  tuning = resolve_tuning(config.tuning, num_rows=num_tokens, channels=d)
   return _prefill(x, weight, cu_seqlens, conv_pool, state_indices, has_initial_state, checkpoint_indptr,
-                  checkpoint_offsets, checkpoint_slots, activation=activation, interpret=interpret, block=block,
-                  token_block=token_block)
+                  checkpoint_offsets, checkpoint_slots, activation=config.activation, interpret=interpret,
+                  block=tuning.block, token_block=tuning.token_block)
