@@ -1,24 +1,7 @@
-"""KDA decode on one Hopper GPU: the Mosaic GPU kernel vs FLA's ``fused_recurrent_kda`` in the same run.
+"""KDA decode on one Hopper GPU: ``kda_decode`` (Mosaic GPU kernel) vs FLA's ``fused_recurrent_kda`` in one run.
 
-Shapes (issue [6/9]): N in {1, 8, 64, 256} sequences x 1 token, H in {11, 96}, K = V = 128, f32 and bf16
-state, the K3 lower-bound gate, bf16 activations. Both sides read and write the same V-first pool in place
-through slot indices. To keep the state out of the 60 MB L2, each timed step uses a different set of slots
-(the pool holds R rotating copies of the working set).
-
-Timings:
-* one column per path of ``STATE_IO``: device time per call of our jitted function with the kernel's state /
-  IO path forced to "tma" (TMA through SMEM) or "directR" (plain global loads and stores, R-row blocks);
-  every kernel it launches, from CUPTI, mean over the timed calls; the names are printed, so a stray copy
-  of the pool would show. ``ours_kernel`` is the fastest path, ``auto``
-  the path the kernel's default rule picks for the shape;
-* ``ours_called``: wall time per call from Python, dispatch included (median of 3 loops), faster path;
-* ``fla_called``: FLA per call from Python (CUDA events around a loop of calls, median of 3 loops);
-* ``fla_graph``: FLA replayed from a CUDA graph of ``GRAPH_CALLS`` calls (host overhead excluded);
-* ``fla_kernel``: FLA's kernel device time from CUPTI.
-GB/s counts the state read + write once (``2 * N * H * V * K * itemsize``); the fraction is against the
-4.27 TB/s device-to-device copy measured on this GPU kind (``benchmarks/_harness.py``, RESULTS.md).
-``vs FLA`` = the faster of FLA's graph and kernel times over ``ours_kernel``; ``max|do|`` the larger of the two
-paths' largest difference from FLA's ``o``.
+Times every ``KdaTuning.decode_state_io`` path through the public ``kda_decode`` on the V-first pool, in place
+through slot indices; shapes, columns and method: pallas_kernels/kda/README.md, "Benchmarks".
 
 Run on the GPU machine: ``PYTHONPATH=. python3 benchmarks/kda_decode.py [--quick] [--json PATH]``
 (needs torch and the ``fla-core`` wheel for the peer; without them only our kernel is timed).
@@ -26,7 +9,6 @@ Run on the GPU machine: ``PYTHONPATH=. python3 benchmarks/kda_decode.py [--quick
 
 import argparse
 import faulthandler
-import functools
 import json
 import os
 import statistics
@@ -40,8 +22,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks._harness import COPY_BYTES_PER_S, cupti_kernels, rotation_plan  # noqa: E402
-from pallas_kernels.kda.config import KdaConfig  # noqa: E402
-from pallas_kernels.kda.decode_kernel import STATE_IO, choose_state_io, kda_decode_mosaic  # noqa: E402
+from pallas_kernels.kda import KdaConfig, KdaTuning, default_tuning, kda_decode  # noqa: E402
+from pallas_kernels.kda.config import DECODE_STATE_IO  # noqa: E402
+from pallas_kernels.testing import kda_gate_params, kda_inputs  # noqa: E402
 
 LB = -5.0
 K = V = 128
@@ -49,11 +32,12 @@ GRAPH_CALLS = 20
 
 
 def make_inputs(n: int, h: int, rot: int, state_dtype, seed: int = 0):
+  """Raw inputs of ``n`` one-token sequences (``kda_inputs``, the model's gate parameters), a pool of ``n * rot``
+  states of the size a unit-norm delta rule produces, and ``rot`` sets of ``n`` slots."""
   rng = np.random.default_rng(seed)
-  f32 = lambda *s: rng.standard_normal(s, np.float32)
-  data = dict(q=f32(n, h, K), k=f32(n, h, K), v=f32(n, h, V), g=f32(n, h, K), beta=f32(n, h),
-              A_log=np.log(rng.uniform(1, 16, h)).astype(np.float32), dt_bias=0.5 * f32(h, K),
-              pool=f32(n * rot, h, V, K) / np.sqrt(K))
+  data = kda_inputs(rng, (n,), h, K, V)
+  data["A_log"], data["dt_bias"] = kda_gate_params(rng, h, K)
+  data["pool"] = rng.standard_normal((n * rot, h, V, K)).astype(np.float32) / np.sqrt(K)
   # Each rotation r uses its own shuffled block of N slots.
   slots = np.stack([r * n + rng.permutation(n) for r in range(rot)]).astype(np.int32)
   return data, slots
@@ -61,20 +45,25 @@ def make_inputs(n: int, h: int, rot: int, state_dtype, seed: int = 0):
 
 def time_ours(data, slots, state_dtype, iters: int, state_io: str):
   bf = lambda x: jnp.asarray(x, jnp.bfloat16)
-  q, k, v, g, beta = (bf(data[x]) for x in ("q", "k", "v", "g", "beta"))
+  q, k, v, g, beta = (bf(data[x]) for x in ("q", "k", "v", "g_raw", "beta_raw"))
   a_log, dt_bias = jnp.asarray(data["A_log"]), jnp.asarray(data["dt_bias"])
   pool = jnp.asarray(data["pool"], state_dtype)
   slot_arrays = [jnp.asarray(s) for s in slots]
-  config = KdaConfig(lower_bound=LB, state_dtype=state_dtype, impl="pallas")
+  config = KdaConfig(lower_bound=LB, state_dtype=state_dtype, impl="pallas",
+                     tuning=KdaTuning(decode_state_io=state_io))
+
+  def call(pool, state_indices):
+    return kda_decode(q, k, v, g, beta, A_log=a_log, dt_bias=dt_bias, state_pool=pool, state_indices=state_indices,
+                      config=config)
+
   # Donating the pool makes the kernel update it in place, as inside the model's donated step.
-  step = jax.jit(functools.partial(kda_decode_mosaic, q, k, v, g, beta, a_log, dt_bias, config=config,
-                                   interpret=False, state_io=state_io), donate_argnums=(0,))
-  o, pool = step(pool, slot_arrays[0], None)  # compile + warm up
+  step = jax.jit(call, donate_argnums=(0,))
+  o, pool = step(pool, slot_arrays[0])  # compile + warm up
   jax.block_until_ready((o, pool))
   o0 = np.asarray(o.astype(jnp.float32))
   with cupti_kernels() as records:
     for i in range(iters):
-      o, pool = step(pool, slot_arrays[i % len(slot_arrays)], None)
+      o, pool = step(pool, slot_arrays[i % len(slot_arrays)])
     jax.block_until_ready((o, pool))
   names = sorted({name for name, _ in records})
   kernel_ms = sum(ms for _, ms in records) / iters
@@ -82,7 +71,7 @@ def time_ours(data, slots, state_dtype, iters: int, state_io: str):
   for _ in range(3):
     t0 = time.perf_counter()
     for i in range(iters):
-      o, pool = step(pool, slot_arrays[i % len(slot_arrays)], None)
+      o, pool = step(pool, slot_arrays[i % len(slot_arrays)])
     jax.block_until_ready((o, pool))
     walls.append((time.perf_counter() - t0) / iters * 1e3)
   return kernel_ms, statistics.median(walls), names, o0
@@ -94,7 +83,7 @@ def time_fla(data, slots, state_dtype, iters: int):
   dev = torch.device("cuda")
   bf = lambda x: torch.from_numpy(x).to(dev, torch.bfloat16)[None]
   n = data["q"].shape[0]
-  q, k, v, g, beta = (bf(data[x]) for x in ("q", "k", "v", "g", "beta"))
+  q, k, v, g, beta = (bf(data[x]) for x in ("q", "k", "v", "g_raw", "beta_raw"))
   a_log = torch.from_numpy(data["A_log"]).to(dev)
   dt_bias = torch.from_numpy(data["dt_bias"]).to(dev)
   tdt = torch.float32 if state_dtype == jnp.float32 else torch.bfloat16
@@ -161,7 +150,7 @@ def main():
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
   shapes = [(1, 96), (256, 96)] if args.quick else [(n, h) for h in (11, 96) for n in (1, 8, 64, 256)]
   rows = []
-  path_cols = " ".join(f"{io + ' us':>11}" for io in STATE_IO)
+  path_cols = " ".join(f"{io + ' us':>11}" for io in DECODE_STATE_IO)
   header = (f"{'N':>4} {'H':>3} {'state':>5} | {path_cols} {'auto':>8} {'called':>7} "
             f"{'GB/s':>6} {'copy%':>5} | {'FLA called':>10} {'graph':>7} {'kernel':>7} | {'vs FLA':>6} {'max|do|':>8}")
   print(header)
@@ -171,10 +160,11 @@ def main():
       state_bytes = n * h * V * K * itemsize
       rot, iters = rotation_plan(state_bytes)
       data, slots = make_inputs(n, h, rot, state_dtype)
-      paths = {io: time_ours(data, slots, state_dtype, iters, io) for io in STATE_IO}
+      paths = {io: time_ours(data, slots, state_dtype, iters, io) for io in DECODE_STATE_IO}
       ours, ours_called, _, _ = min(paths.values(), key=lambda r: r[0])
       row = dict(N=n, H=h, state=jnp.dtype(state_dtype).name, **{f"{io}_us": r[0] * 1e3 for io, r in paths.items()},
-                 auto=choose_state_io(n * h, K, V, state_dtype), ours_us=ours * 1e3,
+                 auto=default_tuning(num_seqs=n, num_heads=h, key_dim=K, value_dim=V,
+                                         state_dtype=state_dtype).decode_state_io, ours_us=ours * 1e3,
                  ours_called_us=ours_called * 1e3, gbps=2 * state_bytes / (ours * 1e-3) / 1e9,
                  kernels=sorted({name for r in paths.values() for name in r[2]}), iters=iters, rotations=rot)
       row["copy_frac"] = row["gbps"] * 1e9 / COPY_BYTES_PER_S
@@ -187,7 +177,7 @@ def main():
       rows.append(row)
       fla_cols = (f"{row['fla_called_us']:10.1f} {row['fla_graph_us']:7.1f} {row['fla_kernel_us']:7.1f} | "
                   f"{row['vs_fla']:6.2f} {row['max_abs_diff_o']:8.1e}") if have_fla else "-"
-      path_us = " ".join(f"{row[io + '_us']:11.1f}" for io in STATE_IO)
+      path_us = " ".join(f"{row[io + '_us']:11.1f}" for io in DECODE_STATE_IO)
       print(f"{n:4d} {h:3d} {row['state'][:5]:>5} | {path_us} {row['auto']:>8} {row['ours_called_us']:7.1f} "
             f"{row['gbps']:6.0f} {100 * row['copy_frac']:5.1f} | {fla_cols}", flush=True)
   print("kernels in our call:", sorted({name for r in rows for name in r["kernels"]}))

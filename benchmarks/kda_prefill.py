@@ -1,13 +1,8 @@
 """KDA prefill on a Hopper GPU: the Mosaic GPU kernel vs FLA's ``chunk_kda`` (PyTorch/Triton) on the same inputs.
 
-K = V = 128, bf16 inputs, Kimi-K3 lower-bound gate (lb = -5), f32 state; both sides compute the gate, the
-L2 norm of q/k and β = sigmoid inside their kernels. For every shape it prints ms, Mtok/s, FLA-time / our
-time (against the faster of FLA as called and FLA replayed from a CUDA graph), achieved TFLOP/s with the
-FLOP count of the chunked algorithm (6d² + 3Cd + C² per token and head, d = K = V, C = 64) and the
-fraction of the roofline ``max(FLOPs / 790 TFLOP/s, bytes / 4.27 TB/s)`` (measured bf16 matmul peak and copy
-bandwidth of the H200, ``benchmarks/_harness.py``).
-It also times a bf16 state pool and 1 and 4 checkpoints per sequence, and cross-checks our output against
-FLA's. Results go to stdout and, as JSON, to ``--json``.
+Times, throughput and roofline fraction per shape, a bf16 state pool and checkpoints, and a cross-check of our
+output against FLA's; columns and method: pallas_kernels/kda/README.md, "Benchmarks". Results go to stdout and,
+as JSON, to ``--json``.
 
 Usage (on the GPU machine, FLA installed): ``PYTHONPATH=. python3 benchmarks/kda_prefill.py --json out.json``
 (``--quick --shapes 0 3``: two shapes without the bf16-state and checkpoint rows, as ``make gpu-check`` runs it)
@@ -26,10 +21,10 @@ import numpy as np
 
 from benchmarks._harness import COPY_BYTES_PER_S, PEAK_BF16_FLOPS
 from pallas_kernels import kda
-from pallas_kernels.testing import kda_gate_params
+from pallas_kernels.kda.config import CHUNK_SIZE as C
+from pallas_kernels.testing import kda_gate_params, kda_inputs
 
 K = V = 128
-C = 64
 LB = -5.0
 SHAPES = [("N=1 T=8192 H=96", (8192,), 96), ("N=1 T=32768 H=32", (32768,), 32),
           ("N=8x1024 H=96", (1024,) * 8, 96), ("N=1 T=8192 H=11", (8192,), 11)]
@@ -45,13 +40,13 @@ def min_bytes(T: int, H: int, N: int, state_bytes: int) -> float:
 
 
 def make_inputs(lens, H: int, seed: int = 0):
+  """Raw inputs (``kda_inputs`` with ``g_raw`` of std 2, the model's gate parameters), ``cu`` and initial states."""
   rng = np.random.default_rng(seed)
-  T = int(sum(lens))
-  f = lambda *s: rng.normal(size=s).astype(np.float32)
-  A_log, dt_bias = kda_gate_params(rng, H, K)
-  return dict(q=f(T, H, K), k=f(T, H, K), v=f(T, H, V), g_raw=f(T, H, K) * 2, beta_raw=f(T, H),
-              A_log=A_log, dt_bias=dt_bias, cu=np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
-              h0=(rng.normal(size=(len(lens), H, V, K)) * 0.1).astype(np.float32))
+  x = kda_inputs(rng, (int(sum(lens)),), H, K, V, g_scale=2.0)
+  x["A_log"], x["dt_bias"] = kda_gate_params(rng, H, K)
+  x["cu"] = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+  x["h0"] = (rng.normal(size=(len(lens), H, V, K)) * 0.1).astype(np.float32)
+  return x
 
 
 def checkpoints(lens, per_seq: int):

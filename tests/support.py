@@ -7,12 +7,15 @@ The randomized tests draw whole batches (lengths, slots, gates, pages) with ``hy
 fixed per test: a small one on the CPU (CI runs the kernels in interpret mode, which is slow) and a larger one
 on a Hopper GPU (``make gpu-check``). ``K3JAX_EXAMPLES`` multiplies both (e.g. ``K3JAX_EXAMPLES=4`` for a
 longer hunt). CPU runs are derandomized, so CI draws the same examples every time; GPU runs draw new ones.
+``SEEDS``, ``decode_batches`` and ``decode_slots`` are the strategies and slot layouts the randomized decode
+tests of several kernels share.
 """
 
 import os
 
 import jax
-from hypothesis import HealthCheck, Phase, settings
+import numpy as np
+from hypothesis import HealthCheck, Phase, settings, strategies as st
 
 from pallas_kernels import util
 
@@ -28,6 +31,34 @@ def budget(cpu: int, gpu: int) -> settings:
                   phases=(Phase.explicit, Phase.generate),
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                          HealthCheck.function_scoped_fixture])
+
+
+SEEDS = st.integers(0, 2**31 - 1)
+
+
+@st.composite
+def decode_batches(draw):
+  """Rows of the one-token (S = None) or speculative (1 + S tokens) form: slots, num_accepted, padding rows."""
+  N = draw(st.integers(1, 4))
+  S = draw(st.sampled_from([None, 1, 3]))
+  cols = 1 if S is None else 1 + S
+  accepted = [draw(st.integers(1, cols)) for _ in range(N)]
+  padding = draw(st.lists(st.booleans(), min_size=N, max_size=N))  # read slot -1: nothing read or written
+  skipped = [[draw(st.booleans()) for _ in range(cols)] for _ in range(N)]  # -1 columns (not the read one)
+  return N, S, accepted, padding, skipped
+
+
+def decode_slots(rng: np.random.Generator, N: int, cols: int, accepted: list[int], padding: list[bool],
+                 skipped: list[list[bool]]) -> tuple[int, np.ndarray]:
+  """Pool size ``P`` (two slots more than named) and distinct slots ``[N, cols]``: -1 at padding rows' read
+  column and at skipped columns other than the read one."""
+  P = N * cols + 2
+  slots = rng.permutation(P)[:N * cols].reshape(N, cols).astype(np.int32)
+  for n in range(N):
+    for t in range(cols):
+      if padding[n] and t == accepted[n] - 1 or skipped[n][t] and t != accepted[n] - 1:
+        slots[n, t] = -1
+  return P, slots
 
 
 def fast_jit(fn):

@@ -7,8 +7,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels.kda import KdaConfig, api, kda_decode, kda_prefill
-from pallas_kernels.testing import bits, kda_gate_oracle, kda_recurrence_oracle, rel_rmse
+from pallas_kernels.kda import KdaConfig, KdaTuning, api, default_tuning, kda_decode, kda_prefill
+from pallas_kernels.kda.config import DECODE_STATE_IO
+from pallas_kernels.testing import bits, kda_gate_params, kda_inputs, kda_prefill_oracle, rel_rmse
 
 H, K, V, P = 2, 16, 16, 16
 LENS = (0, 1, 63, 64, 65, 200)
@@ -23,21 +24,22 @@ NAN_SLOTS = (0, 5)
 
 def make_prefill(seed, lens=LENS, slots=SLOTS, has=HAS, ckpts=CKPTS, *, dtype=jnp.float32,
                  state_dtype=jnp.float32):
-  """Realistic raw inputs and a pool poisoned with 1e30 (NaN in NAN_SLOTS) except the initial states."""
+  """``kda_prefill``'s arguments: realistic raw inputs (``kda_inputs``, gate parameters with a small centred
+  ``dt_bias``) and a pool poisoned with 1e30 (NaN in NAN_SLOTS) except the initial states."""
   rng = np.random.default_rng(seed)
   T = sum(lens)
-  f = lambda *s: rng.standard_normal(s).astype(np.float32)
   pool = np.full((P, H, V, K), 1e30, np.float32)
   pool[list(NAN_SLOTS)] = np.nan
   for s, h in zip(slots, has):
     if h and s >= 0:
-      pool[s] = f(H, V, K)
+      pool[s] = rng.standard_normal((H, V, K))
   offsets = [o for c in ckpts for o, _ in c]
+  x = kda_inputs(rng, (T,), H, K, V)
+  A_log, dt_bias = kda_gate_params(rng, H, K, dt_bias_std=0.1)
   return dict(
-      q=jnp.asarray(f(T, H, K), dtype), k=jnp.asarray(f(T, H, K), dtype), v=jnp.asarray(f(T, H, V), dtype),
-      g_raw=jnp.asarray(f(T, H, K)), beta_raw=jnp.asarray(f(T, H)),
-      A_log=jnp.asarray(np.log(rng.uniform(1, 16, H)), jnp.float32), dt_bias=jnp.asarray(0.1 * f(H, K)),
-      cu_seqlens=jnp.asarray(np.cumsum((0,) + tuple(lens)), jnp.int32),
+      q=jnp.asarray(x["q"], dtype), k=jnp.asarray(x["k"], dtype), v=jnp.asarray(x["v"], dtype),
+      g_raw=jnp.asarray(x["g_raw"]), beta_raw=jnp.asarray(x["beta_raw"]), A_log=jnp.asarray(A_log),
+      dt_bias=jnp.asarray(dt_bias), cu_seqlens=jnp.asarray(np.cumsum((0,) + tuple(lens)), jnp.int32),
       state_pool=jnp.asarray(pool, state_dtype), state_indices=jnp.asarray(slots, jnp.int32),
       has_initial_state=jnp.asarray(has),
       checkpoint_indptr=jnp.asarray(np.cumsum([0] + [len(c) for c in ckpts]), jnp.int32),
@@ -45,30 +47,10 @@ def make_prefill(seed, lens=LENS, slots=SLOTS, has=HAS, ckpts=CKPTS, *, dtype=jn
       checkpoint_slots=jnp.asarray([s for c in ckpts for _, s in c], jnp.int32))
 
 
-def f64(x):
-  return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-
-
-def expected_prefill(a, lens, slots, has, ckpts, lower_bound, scale=None):
-  """Float64 oracle per sequence: outputs, and every slot the call must write with its state."""
-  g = kda_gate_oracle(f64(a["g_raw"]), f64(a["A_log"]), f64(a["dt_bias"]), lower_bound)
-  beta = 1.0 / (1.0 + np.exp(-f64(a["beta_raw"])))
-  q, k, v, pool = f64(a["q"]), f64(a["k"]), f64(a["v"]), f64(a["state_pool"])
-  cu = np.cumsum((0,) + tuple(lens))
-  o = np.zeros(v.shape)
-  writes = {}
-  for n, (s, h, c) in enumerate(zip(slots, has, ckpts)):
-    sl = slice(cu[n], cu[n + 1])
-    h0 = pool[s][None] if h and s >= 0 else None
-    o_n, states = kda_recurrence_oracle(q[None, sl], k[None, sl], v[None, sl], g[None, sl], beta[None, sl],
-                                    K ** -0.5 if scale is None else scale, h0)
-    o[sl] = o_n[0]
-    if s >= 0 and not (h and lens[n] == 0):
-      writes[s] = states[-1, 0]
-    for off, cs in c:
-      if cs >= 0:
-        writes[cs] = states[off, 0]
-  return o, writes
+def expected_prefill(a, lower_bound, scale=None):
+  """``kda_prefill_oracle`` of the arguments ``a``: outputs, and every slot the call must write with its state."""
+  o, pool, written = kda_prefill_oracle(**a, lower_bound=lower_bound, scale=scale)
+  return o, {s: pool[s] for s in written}
 
 
 def check_untouched(old_pool, new_pool, written):
@@ -77,16 +59,15 @@ def check_untouched(old_pool, new_pool, written):
       np.testing.assert_array_equal(bits(new_pool[s]), bits(old_pool[s]), err_msg=f"slot {s} changed")
 
 
-# RMSE ratios vs the float64 oracle, measured: o 6.5e-6 / 4.0e-6 (softplus / lb=-5), worst written state
-# 1.2e-5 / 5.6e-6. Bound 5e-5: f32 rounding of the chunked WY form (see test_kda_reference), >= 4x headroom,
-# still 200x tighter than the 0.01 f32-state orientation.
+# RMSE ratios vs the float64 oracle, of o and of every written state. Bound 5e-5: f32 rounding of the chunked
+# WY form (see test_kda_reference), still 200x tighter than the 0.01 f32-state orientation.
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 def test_prefill_varlen_pool_checkpoints(lower_bound):
   a = make_prefill(0)
   o, pool = kda_prefill(**a, config=KdaConfig(lower_bound=lower_bound, impl="xla"))
   assert o.shape == a["v"].shape and o.dtype == jnp.float32
   assert pool.shape == a["state_pool"].shape and pool.dtype == jnp.float32
-  o_want, writes = expected_prefill(a, LENS, SLOTS, HAS, CKPTS, lower_bound)
+  o_want, writes = expected_prefill(a, lower_bound)
   assert rel_rmse(o, o_want) < 5e-5
   for s, want in writes.items():
     assert rel_rmse(pool[s], want) < 5e-5, s
@@ -101,14 +82,13 @@ def test_prefill_varlen_pool_checkpoints(lower_bound):
                          ids=["A_log=16", "A_log=20", "spiky"])
 def test_prefill_extreme_gates(A_log, spiky):
   a = make_prefill(2)
-  dt = np.exp(np.random.default_rng(2).uniform(np.log(1e-3), np.log(1e-1), size=(H, K)))
-  a["dt_bias"] = jnp.asarray(np.log(np.expm1(dt)), jnp.float32)
+  a["dt_bias"] = jnp.asarray(kda_gate_params(np.random.default_rng(2), H, K)[1])
   if A_log is not None:
     a["A_log"] = jnp.full((H,), A_log, jnp.float32)
   if spiky:
     a["g_raw"] = a["g_raw"].at[jnp.asarray([10, 70, 170])].set(1e5)
   o, pool = kda_prefill(**a, config=KdaConfig(impl="xla"))
-  o_want, writes = expected_prefill(a, LENS, SLOTS, HAS, CKPTS, None)
+  o_want, writes = expected_prefill(a, None)
   assert rel_rmse(o, o_want) < 5e-5
   for s, want in writes.items():
     assert rel_rmse(pool[s], want) < 5e-5, s
@@ -116,15 +96,14 @@ def test_prefill_extreme_gates(A_log, spiky):
 
 
 # bf16 q/k/v, bf16 pool (state rounded once per write), o in bf16. The oracle gets the same bf16-rounded
-# inputs and initial states, so only output rounding is measured: one bf16 rounding is an RMSE ratio of
-# roughly 2^-9 (measured: o 1.6e-3, states 1.4e-3 .. 1.7e-3). Bound 4e-3: 2.3x headroom, 7x tighter than the
-# 0.03 bf16-state orientation.
+# inputs and initial states, so only output rounding is compared: one bf16 rounding is an RMSE ratio of
+# roughly 2^-9 (~2e-3). Bound 4e-3: about twice that, 7x tighter than the 0.03 bf16-state orientation.
 def test_prefill_bf16_state():
   a = make_prefill(1, dtype=jnp.bfloat16, state_dtype=jnp.bfloat16)
   o, pool = kda_prefill(**a, config=KdaConfig(lower_bound=-5.0, state_dtype=jnp.bfloat16, impl="xla"))
   assert o.shape == a["v"].shape and o.dtype == jnp.bfloat16
   assert pool.shape == a["state_pool"].shape and pool.dtype == jnp.bfloat16
-  o_want, writes = expected_prefill(a, LENS, SLOTS, HAS, CKPTS, -5.0)
+  o_want, writes = expected_prefill(a, -5.0)
   assert rel_rmse(o, o_want) < 4e-3
   for s, want in writes.items():
     assert rel_rmse(pool[s], want) < 4e-3, s
@@ -148,12 +127,12 @@ def test_prefill_traced_indices_under_jit():
                           "has_initial_state": has_initial_state}, config=cfg)
 
   o_jit, pool_jit = run(*(a[k] for k in idx))
-  # Inlined into the outer jit, XLA fuses differently: f32 rounding differences only (measured <= 3.2e-6
-  # absolute on outputs of O(0.1)); poisoned slots must still match bitwise (assert_array_equal on NaN/1e30).
+  # Inlined into the outer jit, XLA fuses differently: f32 rounding differences only; poisoned slots must
+  # still match bitwise (assert_array_equal on NaN/1e30).
   np.testing.assert_allclose(np.asarray(o_jit), np.asarray(o), rtol=1e-4, atol=2e-5)
   np.testing.assert_allclose(np.asarray(pool_jit), np.asarray(pool), rtol=1e-4, atol=2e-5)
   check_untouched(pool, pool_jit, {4, 1})
-  o_want, writes = expected_prefill(a, lens, slots, has, ((), (), ()), None, scale=0.3)
+  o_want, writes = expected_prefill(a, None, scale=0.3)
   assert rel_rmse(o, o_want) < 5e-5  # as test_prefill_varlen_pool_checkpoints
   assert set(writes) == {4, 1}  # slot 6: length 0 with an initial state
   for s, want in writes.items():
@@ -164,11 +143,12 @@ def test_prefill_traced_indices_under_jit():
 @pytest.mark.parametrize("impl", ["pallas", "interpret"])
 def test_kernel_dispatch(impl, monkeypatch):
   """impl "pallas"/"interpret" hand the validated inputs to the kernel entry points (stubbed here; the
-  kernels are tested in their own files), with empty checkpoint arrays when none are given."""
+  kernels are tested in their own files), with empty checkpoint arrays when none are given, and the decode
+  kernel its ``KdaTuning.decode_state_io``, the ``default_tuning`` of the call's shapes where that is None."""
   seen = {}
 
-  def fake(*args, config, interpret):
-    seen.update(args=args, config=config, interpret=interpret)
+  def fake(*args, config, interpret, **tuning):
+    seen.update(args=args, config=config, interpret=interpret, tuning=tuning)
     return "sentinel"
 
   monkeypatch.setattr(api.prefill_kernel, "kda_prefill_mosaic", fake)
@@ -183,9 +163,17 @@ def test_kernel_dispatch(impl, monkeypatch):
   np.testing.assert_array_equal(np.asarray(indptr), np.zeros(3))
   assert indptr.dtype == offsets.dtype == slots.dtype == jnp.int32
   assert offsets.shape == slots.shape == (0,)
+  assert seen["tuning"] == {}
   d = decode_args()
   assert kda_decode(**d, config=cfg) == "sentinel"
   assert seen["interpret"] == (impl == "interpret") and seen["args"][-1] is None
+  heuristic = default_tuning(num_seqs=3, num_heads=H, key_dim=K, value_dim=V, state_dtype=jnp.float32)
+  assert seen["tuning"] == {"state_io": heuristic.decode_state_io}
+  assert kda_decode(**d, config=KdaConfig(impl=impl, tuning=KdaTuning())) == "sentinel"
+  assert seen["tuning"] == {"state_io": heuristic.decode_state_io}
+  for state_io in DECODE_STATE_IO:
+    assert kda_decode(**d, config=KdaConfig(impl=impl, tuning=KdaTuning(decode_state_io=state_io))) == "sentinel"
+    assert seen["tuning"] == {"state_io": state_io}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -195,9 +183,8 @@ def decode_args(spec=False):
   rng = np.random.default_rng(4)
   N, S1 = 3, 3
   lead = (N, S1) if spec else (N,)
-  f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-  d = dict(q=f(*lead, H, K), k=f(*lead, H, K), v=f(*lead, H, V), g_raw=f(*lead, H, K), beta_raw=f(*lead, H),
-           A_log=jnp.zeros((H,), jnp.float32), dt_bias=jnp.zeros((H, K), jnp.float32),
+  d = {n: jnp.asarray(x) for n, x in kda_inputs(rng, lead, H, K, V).items()}
+  d.update(A_log=jnp.zeros((H,), jnp.float32), dt_bias=jnp.zeros((H, K), jnp.float32),
            state_pool=jnp.zeros((P, H, V, K), jnp.float32))
   if spec:
     d.update(state_indices=jnp.asarray([[0, 1, 2], [3, 4, 5], [-1, -1, -1]], jnp.int32),

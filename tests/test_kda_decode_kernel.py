@@ -1,79 +1,55 @@
-"""The KDA decode Mosaic GPU kernel (interpret mode on CPU, compiled on a Hopper GPU) vs a float64 oracle."""
-
-import functools
+"""The KDA decode Mosaic GPU kernel through ``kda_decode`` (interpret mode on CPU, compiled on a Hopper GPU) on
+every ``KdaTuning.decode_state_io`` path, against the float64 oracle."""
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels.kda.api import kda_decode, kda_prefill
-from pallas_kernels.kda.config import KdaConfig
-from pallas_kernels.kda import decode_kernel
-from pallas_kernels.kda.decode_kernel import kda_decode_mosaic
+from pallas_kernels.kda import KdaConfig, KdaTuning, default_tuning, kda_decode, kda_prefill
+from pallas_kernels.kda.config import DECODE_STATE_IO
+from pallas_kernels.testing import kda_decode_oracle, kda_gate_params, kda_inputs
+
+from kda_support import check_decode
 
 POISON = 1e30
 LB = -3.0  # a K3 lower-bound gate inside FLA's accepted [-5, 0)
+TOKEN_ARGS = ("q", "k", "v", "g_raw", "beta_raw")
 
 
-@pytest.fixture(params=decode_kernel.STATE_IO)
+@pytest.fixture(params=DECODE_STATE_IO)
 def state_io(request) -> str:
   """Every kernel check runs on each state / IO path (TMA through SMEM; direct global loads and stores on
   16-, 64- and 128-row blocks)."""
   return request.param
 
 
-def _oracle(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool, slots, accepted, *, lower_bound, state_dtype):
-  """Float64 token recurrence on pool slots, speculative form (``slots [N, 1 + S]``), V-first states."""
-  f = lambda x: np.asarray(x, np.float64)
-  q, k, v, g_raw, beta_raw, A_log, dt_bias = map(f, (q, k, v, g_raw, beta_raw, A_log, dt_bias))
-  pool = np.asarray(pool)
-  new_pool = pool.copy()
-  n_seq, steps, heads, kdim = q.shape
-  o = np.zeros(v.shape)
-  for n in range(n_seq):
-    read = slots[n, accepted[n] - 1]
-    if read < 0:
-      continue
-    s = f(pool[read].astype(np.float32))
-    for t in range(steps):
-      qn = q[n, t] / np.sqrt((q[n, t] ** 2).sum(-1, keepdims=True) + 1e-6)
-      kn = k[n, t] / np.sqrt((k[n, t] ** 2).sum(-1, keepdims=True) + 1e-6)
-      x = g_raw[n, t] + dt_bias
-      rate = np.exp(A_log)[:, None]
-      if lower_bound is None:
-        g = -rate * np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
-      else:
-        g = lower_bound / (1 + np.exp(-rate * x))
-      beta = 1 / (1 + np.exp(-beta_raw[n, t]))
-      s = s * np.exp(g)[:, None, :]
-      u = beta[:, None] * (v[n, t] - np.einsum("hvk,hk->hv", s, kn))
-      s = s + u[:, :, None] * kn[:, None, :]
-      s = s.astype(state_dtype).astype(np.float64)  # each token's state is stored, then read back
-      o[n, t] = kdim ** -0.5 * np.einsum("hvk,hk->hv", s, qn)
-      if slots[n, t] >= 0:
-        new_pool[slots[n, t]] = s.astype(state_dtype)
-  return o, new_pool
+def _config(state_io: str | None, **kw) -> KdaConfig:
+  return KdaConfig(tuning=KdaTuning(decode_state_io=state_io), **kw)
 
 
 def _inputs(seed, n, steps, heads, kdim, vdim, num_slots, dtype=jnp.float32, state_dtype=jnp.float32):
+  """Raw tokens ``[n, steps, ...]`` in ``dtype`` and gate parameters (a centred ``dt_bias`` of std 0.5: strong
+  decays), as a list in ``kda_decode``'s argument order, and a pool of ``num_slots`` states."""
   # NumPy draws: eager jax.random would compile one XLA program per shape (seconds per test on CPU).
   rng = np.random.default_rng(seed)
-  shape = (n, steps, heads)
-  normal = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32))
-  q, k, v, g_raw = (normal(*shape, d).astype(dtype) for d in (kdim, kdim, vdim, kdim))
-  beta_raw = normal(*shape).astype(dtype)
-  # Decay rates exp(A_log) from 1 to 16, as at initialisation of the real layer.
-  A_log = jnp.asarray(np.log(rng.uniform(1.0, 16.0, heads)), jnp.float32)
-  dt_bias = 0.5 * normal(heads, kdim)
+  x = kda_inputs(rng, (n, steps), heads, kdim, vdim)
+  A_log, dt_bias = kda_gate_params(rng, heads, kdim, dt_bias_std=0.5)
+  args = [jnp.asarray(x[name], dtype) for name in TOKEN_ARGS] + [jnp.asarray(A_log), jnp.asarray(dt_bias)]
   # States of the size a unit-norm delta rule produces: entries O(1 / sqrt(K)).
-  pool = normal(num_slots, heads, vdim, kdim) / np.sqrt(kdim)
-  return [q, k, v, g_raw, beta_raw, A_log, dt_bias], pool.astype(state_dtype)
+  pool = rng.standard_normal((num_slots, heads, vdim, kdim)).astype(np.float32) / np.sqrt(kdim)
+  return args, jnp.asarray(pool, state_dtype)
 
 
-def _run(args, pool, slots, accepted, *, config, impl, state_io, single=False):
-  """The kernel on one device (interpret mode keeps per-device barrier state) with a fresh pool copy."""
+def _oracle(args, pool, slots, accepted, *, lower_bound):
+  """``kda_decode_oracle`` on the speculative form (``slots [N, 1 + S]``): ``o`` and the new pool."""
+  o, new_pool, _ = kda_decode_oracle(*args[:5], A_log=args[5], dt_bias=args[6], state_pool=pool, state_indices=slots,
+                                     num_accepted=accepted, lower_bound=lower_bound)
+  return o, new_pool
+
+
+def _run(args, pool, slots, accepted, *, config, single=False):
+  """``kda_decode`` on one device (interpret mode keeps per-device barrier state) with a fresh pool copy."""
   dev = jax.devices()[0]
   args = [jax.device_put(a, dev) for a in args]
   slots = jax.device_put(jnp.asarray(slots, jnp.int32), dev)
@@ -82,28 +58,11 @@ def _run(args, pool, slots, accepted, *, config, impl, state_io, single=False):
     args = [a[:, 0] if i < 5 else a for i, a in enumerate(args)]
     slots, accepted = slots[:, 0], None
   pool = jax.device_put(jnp.array(pool, copy=True), dev)
-  o, new_pool = kda_decode_mosaic(*args, pool, slots, accepted, config=config, interpret=impl == "interpret",
-                                  state_io=state_io)
+  o, new_pool = kda_decode(*args[:5], A_log=args[5], dt_bias=args[6], state_pool=pool, state_indices=slots,
+                           num_accepted=accepted, config=config)
   if single:
     o = o[:, None]
   return np.asarray(o.astype(jnp.float32)), new_pool
-
-
-def _check(o, new_pool, o_ref, pool_ref, pool, *, vdim, dtype, state_dtype, untouched):
-  n, steps, heads = o_ref.shape[:3]
-  assert o.shape == (n, steps, heads, vdim)
-  assert new_pool.shape == pool.shape and new_pool.dtype == jnp.dtype(state_dtype)
-  if state_dtype == jnp.float32 and dtype == jnp.float32:
-    # f32 arithmetic on O(1) values over a handful of length-K reductions: ~1e-6; 2e-5 leaves room.
-    tol = dict(rtol=2e-5, atol=2e-5)
-  else:
-    # One bf16 rounding of the state per token (and of o / the inputs for bf16 data): 2^-8 relative;
-    # f32 and float64 may round a value to neighbouring bf16 numbers, so allow ~2 ulp of O(1) values.
-    tol = dict(rtol=1e-2, atol=1e-2)
-  np.testing.assert_allclose(o, o_ref, **tol)
-  np.testing.assert_allclose(np.asarray(new_pool.astype(jnp.float32)), pool_ref.astype(np.float32), **tol)
-  idx = jnp.asarray(untouched)
-  np.testing.assert_array_equal(np.asarray(new_pool[idx]), np.asarray(pool[idx]))
 
 
 @pytest.mark.parametrize("lower_bound, state_dtype, dtype, kdim, vdim", [
@@ -115,13 +74,12 @@ def test_single_token_matches_oracle(kernel_impl, state_io, lower_bound, state_d
   args, pool = _inputs(0, 3, 1, heads, kdim, vdim, num_slots, dtype, state_dtype)
   slots = np.asarray([[4], [-1], [1]])  # the -1 row outputs 0 and touches nothing
   pool = pool.at[jnp.asarray([0, 2, 3, 5])].set(POISON)
-  config = KdaConfig(lower_bound=lower_bound, state_dtype=state_dtype, impl=kernel_impl)
-  o, new_pool = _run(args, pool, slots, [1, 1, 1], config=config, impl=kernel_impl, state_io=state_io, single=True)
-  o_ref, pool_ref = _oracle(*args, pool, slots, [1, 1, 1], lower_bound=lower_bound,
-                            state_dtype=ml_dtypes.bfloat16 if state_dtype == jnp.bfloat16 else np.float32)
+  config = _config(state_io, lower_bound=lower_bound, state_dtype=state_dtype, impl=kernel_impl)
+  o, new_pool = _run(args, pool, slots, [1, 1, 1], config=config, single=True)
+  o_ref, pool_ref = _oracle(args, pool, slots, [1, 1, 1], lower_bound=lower_bound)
   np.testing.assert_array_equal(o[1], 0.0)
-  _check(o, new_pool, o_ref, pool_ref, pool, vdim=vdim, dtype=dtype, state_dtype=state_dtype,
-         untouched=[0, 2, 3, 5])
+  check_decode(o, new_pool, o_ref, pool_ref, pool, vdim=vdim, dtype=dtype, state_dtype=state_dtype,
+               untouched=[0, 2, 3, 5])
 
 
 @pytest.mark.parametrize("lower_bound, state_dtype", [(LB, jnp.float32), (None, jnp.bfloat16)])
@@ -133,13 +91,12 @@ def test_speculative_matches_oracle(kernel_impl, state_io, lower_bound, state_dt
   accepted = [2, 1, 3]
   untouched = [3, 4, 5, 7, 9, 10, 11]
   pool = pool.at[jnp.asarray(untouched)].set(POISON)
-  config = KdaConfig(lower_bound=lower_bound, state_dtype=state_dtype, impl=kernel_impl)
-  o, new_pool = _run(args, pool, slots, accepted, config=config, impl=kernel_impl, state_io=state_io)
-  o_ref, pool_ref = _oracle(*args, pool, slots, accepted, lower_bound=lower_bound,
-                            state_dtype=ml_dtypes.bfloat16 if state_dtype == jnp.bfloat16 else np.float32)
+  config = _config(state_io, lower_bound=lower_bound, state_dtype=state_dtype, impl=kernel_impl)
+  o, new_pool = _run(args, pool, slots, accepted, config=config)
+  o_ref, pool_ref = _oracle(args, pool, slots, accepted, lower_bound=lower_bound)
   np.testing.assert_array_equal(o[1], 0.0)
-  _check(o, new_pool, o_ref, pool_ref, pool, vdim=vdim, dtype=jnp.float32, state_dtype=state_dtype,
-         untouched=untouched)
+  check_decode(o, new_pool, o_ref, pool_ref, pool, vdim=vdim, dtype=jnp.float32, state_dtype=state_dtype,
+               untouched=untouched)
 
 
 @pytest.mark.parametrize("n", [1, 256])
@@ -157,29 +114,61 @@ def test_lowers_for_cuda(state_io, n, single, lower_bound, state_dtype, dtype):
   pool = spec((2, heads, kdim, kdim), state_dtype)
   slots = spec(lead, jnp.int32)
   accepted = None if single else spec((n,), jnp.int32)
-  config = KdaConfig(lower_bound=lower_bound, state_dtype=state_dtype, impl="pallas")
-  f = functools.partial(kda_decode_mosaic, config=config, interpret=False, state_io=state_io)
+  config = _config(state_io, lower_bound=lower_bound, state_dtype=state_dtype, impl="pallas")
+
+  def f(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool, slots, accepted):
+    return kda_decode(q, k, v, g_raw, beta_raw, A_log=A_log, dt_bias=dt_bias, state_pool=pool, state_indices=slots,
+                      num_accepted=accepted, config=config)
+
   text = jax.jit(f).trace(*args, pool, slots, accepted).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
 
 def _one_token_call(kdim: int, vdim: int, state_io: str | None = None):
-  """``kda_decode_mosaic`` in interpret mode on one sequence x one token of one head, pool slot 0."""
+  """``kda_decode`` in interpret mode on one sequence x one token of one head, pool slot 0."""
   args, pool = _inputs(4, 1, 1, 1, kdim, vdim, 2)
-  return kda_decode_mosaic(*[a[:, 0] if i < 5 else a for i, a in enumerate(args)], pool, jnp.asarray([0], jnp.int32),
-                           None, config=KdaConfig(impl="interpret"), interpret=True, state_io=state_io)
+  return _run(args, pool, [[0]], [1], config=_config(state_io, impl="interpret"), single=True)
 
 
-def test_state_io_rule_and_validation():
-  choose = decode_kernel.choose_state_io
-  assert [choose(heads, 128, 128, jnp.float32) for heads in (11, 1024, 1025, 4096, 4097)] == [
+def test_default_tuning_rule():
+  """``default_tuning`` (``decode_kernel.choose_state_io``) on ``N * H`` heads, K and V, the state dtype."""
+  def rule(heads: int, kdim: int, vdim: int, state_dtype) -> str:
+    return default_tuning(num_seqs=heads, num_heads=1, key_dim=kdim, value_dim=vdim,
+                          state_dtype=state_dtype).decode_state_io
+
+  assert [rule(heads, 128, 128, jnp.float32) for heads in (11, 1024, 1025, 4096, 4097)] == [
       "direct16", "direct16", "direct64", "direct64", "direct128"]
-  assert [choose(heads, 128, 128, jnp.bfloat16) for heads in (96, 128, 129, 4096, 4097)] == [
+  assert [rule(heads, 128, 128, jnp.bfloat16) for heads in (96, 128, 129, 4096, 4097)] == [
       "direct16", "direct16", "direct64", "direct64", "direct128"]
-  assert choose(4097, 128, 192, jnp.float32) == "direct64"  # V is not a multiple of 128
-  assert choose(1, 48, 128, jnp.float32) == choose(1, 288, 128, jnp.bfloat16) == "tma"
-  with pytest.raises(ValueError, match="state_io must be None or one of .*, got 'smem'"):
-    _one_token_call(64, 64, "smem")
+  assert rule(4097, 128, 192, jnp.float32) == "direct64"  # V is not a multiple of 128
+  assert rule(1, 48, 128, jnp.float32) == rule(1, 288, 128, jnp.bfloat16) == "tma"
+  # Only the product N * H counts.
+  assert default_tuning(num_seqs=8, num_heads=128, key_dim=128, value_dim=128,
+                        state_dtype="float32") == KdaTuning(decode_state_io=rule(1024, 128, 128, jnp.float32))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: KdaTuning(decode_state_io="smem"),
+     r"decode_state_io must be None or one of \('tma', 'direct16', 'direct64', 'direct128'\), got 'smem'"),
+    (lambda: KdaConfig(tuning="direct16"), r"tuning must be a KdaTuning or None, got 'direct16'"),
+    (lambda: default_tuning(num_seqs=1, num_heads=0, key_dim=128, value_dim=128, state_dtype=jnp.float32),
+     r"num_heads must be an int >= 1, got 0"),
+    (lambda: default_tuning(num_seqs=-1, num_heads=1, key_dim=128, value_dim=128, state_dtype=jnp.float32),
+     r"num_seqs must be an int >= 0, got -1"),
+    (lambda: default_tuning(num_seqs=1, num_heads=1, key_dim=128, value_dim=128, state_dtype=jnp.float16),
+     r"state_dtype must be one of \['float32', 'bfloat16'\], got float16"),
+])
+def test_tuning_validation(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_tuning_is_part_of_the_static_config():
+  """Equal tunings give equal, equally hashed configs (one jit cache entry); different ones do not."""
+  a = KdaConfig(impl="interpret", tuning=KdaTuning(decode_state_io="tma"))
+  b = KdaConfig(impl="interpret", tuning=KdaTuning(decode_state_io="tma"))
+  assert a == b and hash(a) == hash(b)
+  assert a != KdaConfig(impl="interpret", tuning=KdaTuning(decode_state_io="direct16"))
 
 
 def test_rejects_unsupported_head_sizes():
@@ -203,13 +192,11 @@ def test_real_sizes_on_gpu(state_io, steps, lower_bound, state_dtype):
   accepted = np.minimum(np.arange(n) % steps + 1, steps)
   untouched = list(range(n * steps, num_slots))
   pool = pool.at[jnp.asarray(untouched)].set(POISON)
-  config = KdaConfig(lower_bound=lower_bound, state_dtype=state_dtype, impl="pallas")
-  o, new_pool = _run(args, pool, slots, accepted, config=config, impl="pallas", state_io=state_io,
-                     single=steps == 1)
-  o_ref, pool_ref = _oracle(*args, pool, slots, accepted, lower_bound=lower_bound,
-                            state_dtype=ml_dtypes.bfloat16 if state_dtype == jnp.bfloat16 else np.float32)
-  _check(o, new_pool, o_ref, pool_ref, pool, vdim=128, dtype=jnp.bfloat16, state_dtype=state_dtype,
-         untouched=untouched)
+  config = _config(state_io, lower_bound=lower_bound, state_dtype=state_dtype, impl="pallas")
+  o, new_pool = _run(args, pool, slots, accepted, config=config, single=steps == 1)
+  o_ref, pool_ref = _oracle(args, pool, slots, accepted, lower_bound=lower_bound)
+  check_decode(o, new_pool, o_ref, pool_ref, pool, vdim=128, dtype=jnp.bfloat16, state_dtype=state_dtype,
+               untouched=untouched)
 
 
 def _on_device0(*xs):

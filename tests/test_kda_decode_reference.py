@@ -1,21 +1,23 @@
 """``kda_decode`` (impl="xla", i.e. ``kda_decode_reference``): one-token and speculative decode on pool slots,
-against the float64 oracle of test_kda_reference, against prefill, and against sequential replay."""
+against the float64 oracle of ``pallas_kernels.testing``, against prefill, and against sequential replay."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.kda import KdaConfig, kda_decode, kda_prefill
-from pallas_kernels.testing import bits, kda_gate_oracle, kda_recurrence_oracle, rel_rmse
-from test_kda_api import f64
+from pallas_kernels.testing import bits, kda_gate_oracle, kda_gate_params, kda_inputs, kda_recurrence_oracle, rel_rmse
 
 H, K, V, P = 2, 16, 16, 16
 
 
+def f64(x) -> np.ndarray:
+  return np.asarray(x, np.float64)
+
+
 def raw_tokens(rng, *lead):
-  """Realistic raw decode inputs for ``lead`` token axes (q, k, v, g_raw normal; beta_raw normal)."""
-  f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-  return dict(q=f(*lead, H, K), k=f(*lead, H, K), v=f(*lead, H, V), g_raw=f(*lead, H, K), beta_raw=f(*lead, H))
+  """Realistic raw decode inputs for ``lead`` token axes (``kda_inputs``), as jnp arrays."""
+  return {n: jnp.asarray(x) for n, x in kda_inputs(rng, lead, H, K, V).items()}
 
 
 def make_pool(rng, live, state_dtype):
@@ -27,8 +29,8 @@ def make_pool(rng, live, state_dtype):
 
 
 def make_params(rng):
-  return dict(A_log=jnp.asarray(np.log(rng.uniform(1, 16, H)), jnp.float32),
-              dt_bias=jnp.asarray(0.1 * rng.standard_normal((H, K)), jnp.float32))
+  A_log, dt_bias = kda_gate_params(rng, H, K, dt_bias_std=0.1)
+  return dict(A_log=jnp.asarray(A_log), dt_bias=jnp.asarray(dt_bias))
 
 
 def oracle_rows(tok, params, h0, lower_bound):
@@ -44,9 +46,9 @@ def check_untouched(old, new, written):
       np.testing.assert_array_equal(bits(new[s]), bits(old[s]), err_msg=f"slot {s} changed")
 
 
-# f32 pool: one token in f32, measured RMSE ratio <= 1.2e-7 vs float64; bound 1e-6. bf16 pool: the state is
-# rounded to bf16 once (measured 1.6e-3 / 1.7e-3, about 2^-9), bound 4e-3; o is computed from the f32 state
-# before rounding, so it keeps the f32 bound.
+# f32 pool: one token in f32, a few f32 ulps (2^-23 ~ 1.2e-7) of RMSE ratio vs float64; bound 1e-6. bf16
+# pool: the state is rounded to bf16 once (an RMSE ratio of about 2^-9), bound 4e-3; o is computed from the
+# f32 state before rounding, so it keeps the f32 bound.
 @pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 def test_decode_one_token_vs_oracle(lower_bound, state_dtype):
@@ -68,8 +70,8 @@ def test_decode_one_token_vs_oracle(lower_bound, state_dtype):
 
 
 # Prefill of the whole sequences vs prefill of all but the last J tokens followed by J one-token decodes.
-# Both sides carry f32 states; the chunked and token forms differ by f32 rounding (measured RMSE ratio
-# 5.4e-6 softplus / 2.1e-6 lb=-5), bound 5e-5 as in test_kda_api.
+# Both sides carry f32 states; the chunked and token forms differ by f32 rounding, bound 5e-5 (RMSE ratio)
+# as in test_kda_api.
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 def test_prefill_then_decode_equals_prefill(lower_bound):
   rng = np.random.default_rng(1)
@@ -134,7 +136,7 @@ def test_speculative_equals_sequential_decode(state_dtype):
   check_untouched(pool, new, written)
   if state_dtype == jnp.float32:
     o_want, states = oracle_rows({n: x[:3] for n, x in tok.items()}, params, f64(pool)[live], -5.0)
-    # f32 token recurrence over 4 tokens: measured ~1e-7, bound 1e-6.
+    # f32 token recurrence over 4 tokens: a few f32 ulps, bound 1e-6.
     assert rel_rmse(o[:3], o_want) < 1e-6
     for n in range(3):
       for t in range(S1):
@@ -162,7 +164,7 @@ def test_speculative_rollback_equals_replaying_accepted_prefix():
     a = accepted[n]
     replay = {k: np.concatenate([f64(tok1[k][n:n + 1, :a]), f64(tok2[k][n:n + 1])], axis=1) for k in tok1}
     o_want, states = oracle_rows(replay, params, h0[n:n + 1], None)
-    # f32 token recurrence over <= 8 tokens: measured <= 2.2e-7, bound 1e-6.
+    # f32 token recurrence over <= 8 tokens: a few f32 ulps, bound 1e-6.
     assert rel_rmse(o2[n], o_want[0, a:]) < 1e-6
     for t in range(S1):
       assert rel_rmse(pool2[int(slots[n, t])], states[a + t + 1, 0]) < 1e-6

@@ -1,4 +1,4 @@
-"""Randomized differential tests of the KDA and short-convolution kernels against ``impl="xla"``.
+"""Randomized differential tests of the KDA kernels against ``impl="xla"``.
 
 ``hypothesis`` draws whole batches: sequence lengths around the chunk (64) and sub-block (16) edges and 0,
 initial-state mixes, -1 slots, checkpoint CSR patterns, speculative rows with ``num_accepted`` and padding
@@ -8,11 +8,10 @@ inside the ops). The pool is filled with random values first; every slot a call 
 back bitwise unchanged, every written slot must match the reference. Shapes are small on the CPU
 (interpret mode) and the model's head size on a Hopper GPU.
 
-Tolerances are those of the per-kernel tests, whose module docstrings derive them: ``PREFILL_TOL`` (RMSE
-ratio; the prefill kernel feeds bf16 operands to the tensor cores), the decode kernel's ``_check`` (f32
-arithmetic as the reference; one bf16 rounding per token with a bf16 state) and the short convolution's
-``F32_TOL`` / ``BF16_TOL`` (the same f32 math in another order, rounded once to x's dtype; its pool rows
-are moved, never computed, so they must match bitwise). Every comparison fails on NaN.
+Tolerances are those of the per-kernel tests, from ``kda_support``, which derives them next to each:
+``PREFILL_TOL`` (RMSE ratio; the prefill kernel feeds bf16 operands to the tensor cores) and ``check_decode``'s
+(f32 arithmetic as the reference; one bf16 rounding per token with a bf16 state). Every comparison fails on NaN.
+The short convolution's randomized tests are in ``test_randomized_short_conv.py``.
 """
 
 import jax.numpy as jnp
@@ -21,22 +20,16 @@ from hypothesis import example, given, strategies as st
 
 from pallas_kernels import util
 from pallas_kernels.kda import KdaConfig, kda_decode
-from pallas_kernels.kda.short_conv import short_conv_update
-from pallas_kernels.testing import kda_gate_params
-from support import budget
-from test_kda_decode_kernel import _check as _check_decode
-from test_kda_prefill_kernel import TOL as PREFILL_TOL, _check as _check_prefill_pool, _run as _run_prefill, _to_jax
-from test_short_conv_kernel import (BF16, BF16_TOL, F32, F32_TOL, _assert_bitwise_equal, _check_prefill, _inputs,
-                                    _prefill_both, _prefill_inputs)
+from pallas_kernels.kda.config import CHUNK_SIZE as C
+from pallas_kernels.testing import kda_gate_params, kda_inputs
+from kda_support import PREFILL_TOL, check_decode, check_prefill, prefill_to_jax, run_prefill
+from support import SEEDS, budget, decode_batches, decode_slots
 
 ON_GPU = util.is_hopper_gpu()
 # (H, K = V): small in interpret mode, the model's head size compiled.
 HEADS, HEAD_DIM = (4, 128) if ON_GPU else (1, 64)
-CONV_D = 3 * 4 * 128 if ON_GPU else 256  # short conv channels (a multiple of the kernel's 128)
-C = 64
 # Around 0, the 16-token sub-block and the 64-token chunk; longer ones only where they are cheap.
 LENGTHS = [0, 1, 2, 15, 16, 17, 63, 64, 65] + ([127, 128, 129, 300] if ON_GPU else [100])
-SEEDS = st.integers(0, 2**31 - 1)
 
 
 def _gate_params(rng: np.random.Generator, kind: str, H: int, K: int) -> tuple[np.ndarray, np.ndarray]:
@@ -46,9 +39,8 @@ def _gate_params(rng: np.random.Generator, kind: str, H: int, K: int) -> tuple[n
 
 
 def _raw_tokens(rng: np.random.Generator, lead: tuple[int, ...], H: int, K: int, V: int, spiky: bool) -> dict:
-  """Raw q, k, v, g_raw, beta_raw (f32, unit normal); ``spiky``: a few tokens with g_raw = 1e5."""
-  f = lambda *s: rng.standard_normal(lead + s).astype(np.float32)
-  x = dict(q=f(H, K), k=f(H, K), v=f(H, V), g_raw=f(H, K), beta_raw=f(H))
+  """Raw q, k, v, g_raw, beta_raw (``kda_inputs``); ``spiky``: a few tokens with g_raw = 1e5."""
+  x = kda_inputs(rng, lead, H, K, V)
   flat = x["g_raw"].reshape((-1, H, K))
   if spiky and flat.shape[0]:
     flat[rng.choice(flat.shape[0], size=min(3, flat.shape[0]), replace=False)] = 1e5
@@ -98,41 +90,16 @@ def test_kda_prefill(kernel_impl, batch, seed, lower_bound, gate_kind, spiky, st
                 has_initial_state=np.asarray(has),
                 checkpoint_indptr=np.searchsorted([c[0] for c in ckpts], np.arange(N + 1)).astype(np.int32),
                 checkpoint_offsets=np.asarray([c[1] for c in ckpts], np.int32), checkpoint_slots=ck_slots)
-  inputs, pool_j, arrays_j = _to_jax(x, pool, arrays, state_dtype)
+  inputs, pool_j, arrays_j = prefill_to_jax(x, pool, arrays, state_dtype)
   config = dict(lower_bound=lower_bound, state_dtype=state_dtype)
-  o, new_pool = _run_prefill(inputs, pool_j, arrays_j, kernel_impl, **config)
-  xo, xpool = _run_prefill(inputs, pool_j, arrays_j, "xla", **config)
+  o, new_pool = run_prefill(inputs, pool_j, arrays_j, kernel_impl, **config)
+  xo, xpool = run_prefill(inputs, pool_j, arrays_j, "xla", **config)
   T = sum(lens)
   xo64, xpool64 = np.asarray(xo, np.float64), np.asarray(xpool, np.float64)
   tol = PREFILL_TOL[jnp.dtype(state_dtype)]
   # The reference itself: finite, its unnamed slots bitwise unchanged; then the kernel against it.
-  _check_prefill_pool(xo, xpool, xo64, xpool64, pool_j, arrays, tol, T, H, K)
-  _check_prefill_pool(o, new_pool, xo64, xpool64, pool_j, arrays, tol, T, H, K)
-
-
-@st.composite
-def decode_batches(draw):
-  """Rows of the one-token (S = None) or speculative (1 + S tokens) form: slots, num_accepted, padding rows."""
-  N = draw(st.integers(1, 4))
-  S = draw(st.sampled_from([None, 1, 3]))
-  cols = 1 if S is None else 1 + S
-  accepted = [draw(st.integers(1, cols)) for _ in range(N)]
-  padding = draw(st.lists(st.booleans(), min_size=N, max_size=N))  # read slot -1: nothing read or written
-  skipped = [[draw(st.booleans()) for _ in range(cols)] for _ in range(N)]  # -1 columns (not the read one)
-  return N, S, accepted, padding, skipped
-
-
-def _decode_slots(rng: np.random.Generator, N: int, cols: int, accepted: list[int], padding: list[bool],
-                  skipped: list[list[bool]]) -> tuple[int, np.ndarray]:
-  """Pool size ``P`` (two slots more than named) and distinct slots ``[N, cols]``: -1 at padding rows' read
-  column and at skipped columns other than the read one."""
-  P = N * cols + 2
-  slots = rng.permutation(P)[:N * cols].reshape(N, cols).astype(np.int32)
-  for n in range(N):
-    for t in range(cols):
-      if padding[n] and t == accepted[n] - 1 or skipped[n][t] and t != accepted[n] - 1:
-        slots[n, t] = -1
-  return P, slots
+  check_prefill(xo, xpool, xo64, xpool64, pool_j, arrays, tol, T, H, K)
+  check_prefill(o, new_pool, xo64, xpool64, pool_j, arrays, tol, T, H, K)
 
 
 @budget(cpu=4, gpu=8)
@@ -143,7 +110,7 @@ def test_kda_decode(kernel_impl, batch, seed, lower_bound, gate_kind, spiky, sta
   rng = np.random.default_rng(seed)
   H, K = HEADS, HEAD_DIM
   cols = 1 if S is None else 1 + S
-  P, slots = _decode_slots(rng, N, cols, accepted, padding, skipped)
+  P, slots = decode_slots(rng, N, cols, accepted, padding, skipped)
   x = _raw_tokens(rng, (N, cols), H, K, K, spiky)
   A_log, dt_bias = _gate_params(rng, gate_kind, H, K)
   pool = jnp.asarray(rng.standard_normal((P, H, K, K)) / np.sqrt(K), state_dtype)
@@ -161,57 +128,6 @@ def test_kda_decode(kernel_impl, batch, seed, lower_bound, gate_kind, spiky, sta
   as_rows = lambda a: np.asarray(a, np.float32).reshape(N, cols, H, K)
   for got, got_pool in ((xo, xpool), (o, new_pool)):
     assert np.isfinite(as_rows(got)).all() and np.isfinite(np.asarray(got_pool, np.float32)[sorted(written)]).all()
-    _check_decode(as_rows(got), got_pool, as_rows(xo), np.asarray(xpool, np.float32), pool, vdim=K,
-                  dtype=jnp.float32, state_dtype=state_dtype, untouched=untouched)
+    check_decode(as_rows(got), got_pool, as_rows(xo), np.asarray(xpool, np.float32), pool, vdim=K,
+                 dtype=jnp.float32, state_dtype=state_dtype, untouched=untouched)
   np.testing.assert_array_equal(as_rows(o)[np.asarray(padding) & (read < 0)], 0.0)
-
-
-@st.composite
-def conv_batches(draw):
-  lens = draw(st.lists(st.sampled_from([0, 1, 2, 3, 4, 17, 40]), min_size=1, max_size=4))
-  N = len(lens)
-  has = draw(st.lists(st.booleans(), min_size=N, max_size=N))
-  no_slot = draw(st.lists(st.booleans(), min_size=N, max_size=N))
-  ckpts = [(n, draw(st.integers(1, L)), draw(st.booleans())) for n, L in enumerate(lens)
-           if L and draw(st.booleans())]
-  return lens, has, no_slot, ckpts
-
-
-@budget(cpu=4, gpu=8)
-@given(batch=conv_batches(), seed=SEEDS, dtype=st.sampled_from([F32, BF16]), pool_dtype=st.sampled_from([F32, BF16]))
-def test_short_conv_prefill(kernel_impl, batch, seed, dtype, pool_dtype):
-  lens, has, no_slot, ckpts = batch
-  rng = np.random.default_rng(seed)
-  N, M = len(lens), len(ckpts)
-  P = N + M + 2
-  perm = rng.permutation(P)
-  slots = [-1 if s else int(p) for s, p in zip(no_slot, perm[:N])]
-  ck = [(n, off, -1 if minus_one else int(p)) for (n, off, minus_one), p in zip(ckpts, perm[N:])]
-  x, weight, pool, cu = _prefill_inputs(seed, lens, CONV_D, P, dtype, pool_dtype)
-  written = {s for n, s in enumerate(slots) if s >= 0 and (lens[n] or not has[n])} | {c[2] for c in ck if c[2] >= 0}
-  ref, out = _prefill_both(x, weight, pool, cu, slots, has, ck or None, impl=kernel_impl)
-  assert np.isfinite(out[0].astype(np.float32)).all()
-  _check_prefill(ref, out, dtype=dtype, untouched=[p for p in range(P) if p not in written], pool=pool)
-
-
-@budget(cpu=4, gpu=8)
-@given(batch=decode_batches(), seed=SEEDS, dtype=st.sampled_from([F32, BF16]), pool_dtype=st.sampled_from([F32, BF16]))
-def test_short_conv_update(kernel_impl, batch, seed, dtype, pool_dtype):
-  N, S, accepted, padding, skipped = batch
-  rng = np.random.default_rng(seed)
-  cols = 1 if S is None else 1 + S
-  P, slots = _decode_slots(rng, N, cols, accepted, padding, skipped)
-  x, weight, pool = _inputs(seed, N, cols, CONV_D, P, dtype, pool_dtype)
-  squeeze = (lambda a: a[:, 0]) if S is None else (lambda a: a)
-  kw = dict(conv_pool=jnp.asarray(pool), state_indices=jnp.asarray(squeeze(slots)),
-            num_accepted=None if S is None else jnp.asarray(accepted, jnp.int32))
-  (y_ref, p_ref), (y, p) = (short_conv_update(jnp.asarray(squeeze(x)), jnp.asarray(weight), **kw, impl=impl)
-                            for impl in ("xla", kernel_impl))
-  y, y_ref = (np.asarray(a, np.float32) for a in (y, y_ref))
-  assert np.isfinite(y).all() and np.isfinite(y_ref).all()
-  np.testing.assert_allclose(y, y_ref, **(F32_TOL if dtype == F32 else BF16_TOL))
-  _assert_bitwise_equal(p, p_ref)
-  read = slots[np.arange(N), np.asarray(accepted) - 1]
-  written = set(slots[read >= 0].reshape(-1).tolist())
-  untouched = [s for s in range(P) if s not in written]
-  _assert_bitwise_equal(np.asarray(p)[untouched], pool[untouched])

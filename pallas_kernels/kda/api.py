@@ -1,4 +1,5 @@
-"""Public KDA entry points: ``kda_prefill`` (chunked, varlen, pool slots, checkpoints) and ``kda_decode``.
+"""Public KDA entry points: ``kda_prefill`` (chunked, varlen, pool slots, checkpoints), ``kda_decode`` and
+``default_tuning`` (the kernels' tuning heuristic).
 
 State pool layout everywhere: ``[P, H, V, K]`` (V-first, as vLLM's Kimi-K3 pool).
 
@@ -9,6 +10,7 @@ itself runs jitted with the config static; the pool is not donated (wrap the cal
 with ``donate_argnames`` to update it in place).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -16,7 +18,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import util
 from pallas_kernels.kda import checks, decode_kernel, prefill_kernel, reference
-from pallas_kernels.kda.config import KdaConfig
+from pallas_kernels.kda.config import KdaConfig, KdaTuning
 
 # The kernels index with int32.
 _INDEX_DTYPES = (jnp.int32,)
@@ -71,6 +73,39 @@ def _decode_xla(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, state_indi
       q, k, v, g_raw, beta_raw, A_log=A_log, dt_bias=dt_bias, state_pool=state_pool,
       state_indices=state_indices, num_accepted=num_accepted, lower_bound=config.lower_bound,
       scale=config.scale)
+
+
+def default_tuning(*, num_seqs: int, num_heads: int, key_dim: int, value_dim: int, state_dtype) -> KdaTuning:
+  """The tuning the kernels use where ``KdaConfig.tuning`` (or a field of it) is None, for one call's shapes.
+
+  Args:
+    num_seqs: sequences ``N`` of the call (rows of ``q``); num_heads: ``H``; key_dim: ``K``; value_dim: ``V``.
+    state_dtype: dtype of the state pool (f32 or bf16).
+
+  Returns:
+    A ``KdaTuning`` with every field set. ``decode_state_io``: small register blocks while a small batch of
+    ``N * H`` heads is latency bound (more programs spread it over more SMs), bigger ones once it is
+    bandwidth bound; "tma" where ``K`` does not fit the direct paths.
+
+  Raises:
+    ValueError: a size that is not an int (``num_seqs`` >= 0, the others >= 1) or a state dtype other than
+      f32 / bf16.
+  """
+  for name, size, least in (("num_seqs", num_seqs, 0), ("num_heads", num_heads, 1), ("key_dim", key_dim, 1),
+                            ("value_dim", value_dim, 1)):
+    if not isinstance(size, int) or isinstance(size, bool) or size < least:
+      raise ValueError(f"{name} must be an int >= {least}, got {size!r}")
+  state_dtype = util.canonical_dtype("state_dtype", state_dtype, (jnp.float32, jnp.bfloat16))
+  return KdaTuning(decode_state_io=decode_kernel.choose_state_io(num_seqs * num_heads, key_dim, value_dim,
+                                                                 state_dtype))
+
+
+def _resolve_tuning(tuning: KdaTuning | None, default: KdaTuning) -> KdaTuning:
+  """``tuning`` with its None fields taken from ``default``."""
+  if tuning is None:
+    return default
+  return dataclasses.replace(tuning, **{f.name: getattr(default, f.name) for f in dataclasses.fields(tuning)
+                                        if getattr(tuning, f.name) is None})
 
 
 def kda_prefill(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_raw: jax.Array, *,
@@ -143,7 +178,8 @@ def kda_decode(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_
       written to column t (a -1 column is not written). A row whose read slot is -1 outputs 0 and reads and
       writes nothing. No slot may be written twice.
     num_accepted: ``[N]`` int32 in ``[1, 1 + S]``, required with the speculative form only.
-    config: ``KdaConfig``.
+    config: ``KdaConfig``; the kernel impls take ``config.tuning.decode_state_io`` (None fields:
+      ``default_tuning`` of these shapes).
 
   Returns:
     ``o`` (``[N, H, V]`` or ``[N, 1 + S, H, V]``) in q's dtype and the new ``state_pool`` (f32 arithmetic,
@@ -152,7 +188,8 @@ def kda_decode(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_
   Raises:
     ValueError: bad shapes, dtypes or (for concrete index arrays) index values.
     NotImplementedError: ``impl="pallas"/"interpret"`` with head sizes the kernel does not take (V not a
-      multiple of 64, K not a multiple of 8).
+      multiple of 64, K not a multiple of 8), or a ``decode_state_io`` of "directR" with K not a multiple of
+      32 up to 256 or V not a multiple of R.
   """
   config = KdaConfig() if config is None else config
   if q.ndim not in (3, 4):
@@ -165,4 +202,7 @@ def kda_decode(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_
   args = (q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, state_indices, num_accepted)
   if config.impl == "xla":
     return _decode_xla(*args, config=config)
-  return decode_kernel.kda_decode_mosaic(*args, config=config, interpret=config.impl == "interpret")
+  tuning = _resolve_tuning(config.tuning, default_tuning(num_seqs=q.shape[0], num_heads=H, key_dim=K,
+                                                         value_dim=V, state_dtype=config.state_dtype))
+  return decode_kernel.kda_decode_mosaic(*args, config=config, interpret=config.impl == "interpret",
+                                         state_io=tuning.decode_state_io)

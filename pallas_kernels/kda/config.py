@@ -1,4 +1,4 @@
-"""Static configuration of the KDA ops (prefill and decode)."""
+"""Static configuration of the KDA ops (prefill and decode): ``KdaConfig`` and its kernel ``KdaTuning``."""
 
 import dataclasses
 import math
@@ -6,6 +6,12 @@ import math
 import jax.numpy as jnp
 
 from pallas_kernels import util
+
+# Tokens per chunk of the chunked prefill (four 16-token sub-blocks), the only size the kernels take.
+CHUNK_SIZE = 64
+# How the decode kernel moves state, inputs and ``o``: TMA through SMEM, or plain global loads and stores
+# on blocks of 16, 64 or 128 V rows (see ``decode_kernel``).
+DECODE_STATE_IO = ("tma", "direct16", "direct64", "direct128")
 
 
 def _to_float(name: str, value) -> float:
@@ -17,6 +23,25 @@ def _to_float(name: str, value) -> float:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class KdaTuning:
+  """Performance knobs of the KDA kernels; every choice gives the same results. None means "the heuristic"
+  (``default_tuning``). Ignored by ``impl="xla"``.
+
+  Attributes:
+    decode_state_io: how the decode kernel moves state, inputs and ``o``, one of ``DECODE_STATE_IO``:
+      "direct16" / "direct64" / "direct128" (plain global loads and stores into registers on blocks of that
+      many V rows; need ``K % 32 == 0``, ``K <= 256`` and ``V`` a multiple of the rows) or "tma" (TMA through
+      SMEM on 64-row blocks, any ``K % 8 == 0``).
+  """
+
+  decode_state_io: str | None = None
+
+  def __post_init__(self):
+    if self.decode_state_io is not None and self.decode_state_io not in DECODE_STATE_IO:
+      raise ValueError(f"decode_state_io must be None or one of {DECODE_STATE_IO}, got {self.decode_state_io!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class KdaConfig:
   """One frozen, hashable config for ``kda_prefill`` and ``kda_decode``.
 
@@ -24,17 +49,20 @@ class KdaConfig:
     lower_bound: None selects the Kimi-Linear softplus gate ``g = -exp(A_log) * softplus(f + dt_bias)``;
       a float in [-5, 0) selects the Kimi-K3 lower-bound gate ``g = lb * sigmoid(exp(A_log) * (f + dt_bias))``.
     scale: query scale, a finite float > 0; None means ``K ** -0.5``.
-    chunk_size: tokens per chunk of the chunked algorithm (64; checkpoint offsets are multiples of it).
+    chunk_size: tokens per chunk of the chunked algorithm (``CHUNK_SIZE``; checkpoint offsets are multiples
+      of it).
     state_dtype: storage dtype of the state pool and the checkpoints (f32 or bf16). Arithmetic is f32.
     impl: "xla" (pure-JAX reference), "pallas" (Mosaic GPU kernel, Hopper) or "interpret" (the same
       kernel in Mosaic GPU interpret mode on CPU). Default: "pallas" on a Hopper GPU, else "xla".
+    tuning: ``KdaTuning`` of the kernels, or None for the heuristic in every field.
   """
 
   lower_bound: float | None = None
   scale: float | None = None
-  chunk_size: int = 64
+  chunk_size: int = CHUNK_SIZE
   state_dtype: jnp.dtype = jnp.float32
   impl: str = dataclasses.field(default_factory=util.default_impl)
+  tuning: KdaTuning | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "state_dtype",
@@ -50,5 +78,7 @@ class KdaConfig:
       if not (math.isfinite(scale) and scale > 0.0):
         raise ValueError(f"scale must be a finite float > 0 or None, got {self.scale}")
       object.__setattr__(self, "scale", scale)
-    if self.chunk_size != 64:
-      raise NotImplementedError(f"chunk_size must be 64 (16-token sub-blocks), got {self.chunk_size}")
+    if self.chunk_size != CHUNK_SIZE:
+      raise NotImplementedError(f"chunk_size must be {CHUNK_SIZE} (16-token sub-blocks), got {self.chunk_size}")
+    if self.tuning is not None and not isinstance(self.tuning, KdaTuning):
+      raise ValueError(f"tuning must be a KdaTuning or None, got {self.tuning!r}")

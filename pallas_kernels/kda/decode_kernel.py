@@ -1,23 +1,8 @@
 """KDA recurrent decode (one token or ``1 + S`` speculative tokens per sequence) as a Mosaic GPU kernel.
 
-Decode is bound by state bandwidth: an f32 state is ``V * K * 4`` bytes per head (64 KiB at K = V = 128),
-read and written once per step, while the token's own inputs are ``K``-sized vectors. So one program per
-(V-block of ``BV`` rows, head, sequence) brings its ``[BV, K]`` block of the V-first pool slot in, keeps it
-in f32 registers (rows = V, columns = K) for all of the sequence's tokens, and writes each token's state
-back out. Static ways to move state, inputs and ``o`` (``state_io``): "direct16" / "direct64" /
-"direct128" (plain global loads and stores straight between the refs and registers, no SMEM or barriers,
-on ``[R, K]`` blocks computed 16 rows at a time with ``K / 32`` consecutive columns per thread: 16-byte
-accesses of an f32 state; small blocks spread a small batch over more SMs, big ones keep more bytes in
-flight) and "tma" (one TMA into SMEM and one out per 64-row block, WGMMA register layout: the path for a
-``K`` the part layout cannot take); ``choose_state_io`` sets the default from the H200 measurements. The
-pool is updated in place: it is passed as a ``jax.new_ref`` (``plgpu.kernel`` has no
-``input_output_aliases``); like every impl of ``kda_decode`` it does not donate the pool itself: inside an
-enclosing jit that donates the pool the update happens in place.
-
-Per token, with ``S`` V-first ``[BV, K]``, all in f32:
-``S *= exp(g)[None, :]``, ``u = beta * (v - S k)``, ``S += u k^T``, ``o = scale * S q``; q and k are
-L2-normalised inside (eps 1e-6 added to the sum of squares), the gate and ``sigmoid(beta_raw)`` too.
-The norms are folded into row vectors (``S k = (S k_raw) / |k_raw|``), so no vector is reduced on its own.
+One program per (V-block, head, sequence) keeps its block of the V-first pool slot in f32 registers for all of
+the sequence's tokens and writes each token's state back in place; ``state_io`` (``KdaTuning.decode_state_io``)
+picks how state, inputs and ``o`` move. See README.md, "Decode kernel".
 """
 
 import functools
@@ -35,12 +20,11 @@ from pallas_kernels.kda.config import KdaConfig
 from pallas_kernels.kda.kernel_math import L2NORM_EPS, gate
 
 BLOCK_V = 64  # rows of a WGMMA-layout register tile: one warpgroup, 64 f32 registers per thread at K = 128
-STATE_IO = ("tma", "direct16", "direct64", "direct128")
 # Rows of a program on the "directR" paths. A program loads its whole [R, K] block and computes it in
 # [DIRECT_PART, K] parts, each thread DIRECT_PART/4 rows x K/32 consecutive columns of a part.
 DIRECT_ROWS = {"direct16": 16, "direct64": 64, "direct128": 128}
 DIRECT_PART = 16
-# ``state_io=None`` on a batch of ``N * H`` heads, from the H200 timings in benchmarks/RESULTS.md (K = V =
+# ``choose_state_io`` on a batch of ``N * H`` heads, from the H200 timings in benchmarks/RESULTS.md (K = V =
 # 128): small blocks while a small grid is latency bound (more programs spread it over more SMs), big ones
 # once it is bandwidth bound (fewer, longer streams per SM). Each entry is (most heads, path); beyond the
 # last, "direct128" if V allows it.
@@ -251,7 +235,7 @@ def choose_state_io(heads: int, kdim: int, vdim: int, state_dtype) -> str:
 def kda_decode_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_raw: jax.Array,
                       A_log: jax.Array, dt_bias: jax.Array, state_pool: jax.Array, state_indices: jax.Array,
                       num_accepted: jax.Array | None, *, config: KdaConfig, interpret: bool,
-                      state_io: str | None = None) -> tuple[jax.Array, jax.Array]:
+                      state_io: str) -> tuple[jax.Array, jax.Array]:
   """Kernel path of ``kda_decode``: inputs already validated by the public API (same shapes and meaning).
 
   Args:
@@ -259,31 +243,24 @@ def kda_decode_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array
       ``[..., H]``. A_log: ``[H]`` f32; dt_bias: ``[H, K]`` f32.
     state_pool: ``[P, H, V, K]`` (V-first) in ``config.state_dtype`` (not donated here).
     state_indices: ``[N]`` or ``[N, 1 + S]`` int32; num_accepted: ``[N]`` int32 (speculative form) or None.
-    config: ``KdaConfig`` (gate kind, scale, state dtype).
+    config: ``KdaConfig`` (gate kind, scale, state dtype; its ``tuning`` is not read here).
     interpret: run in Mosaic GPU interpret mode (CPU).
-    state_io: how state, inputs and ``o`` move: "direct16" / "direct64" / "direct128" (plain global loads
-      and stores into registers, on blocks of that many rows computed 16 rows at a time; need
-      ``K % 32 == 0``, ``K <= 256`` and ``V`` a multiple of the rows), "tma" (TMA through SMEM, 64-row
-      blocks), or None for ``choose_state_io(N * H, K, V, state dtype)``. All give the same results.
+    state_io: one of ``DECODE_STATE_IO``, already resolved (``KdaTuning.decode_state_io``, or
+      ``choose_state_io`` where that is None). All give the same results.
 
   Returns:
     ``o`` (q's shape with V last, q's dtype) and the new pool.
 
   Raises:
-    ValueError: ``state_io`` not None or one of ``STATE_IO``.
     NotImplementedError: ``V`` not a multiple of 64, ``K`` not a multiple of 8 (the WGMMA tile), or a
       "directR" path with ``K`` not a multiple of 32 up to 256 (one vector of columns per lane) or ``V``
       not a multiple of ``R``.
   """
   vdim, kdim = state_pool.shape[-2:]
-  if state_io is not None and state_io not in STATE_IO:
-    raise ValueError(f"state_io must be None or one of {STATE_IO}, got {state_io!r}")
   if vdim % BLOCK_V or kdim % 8:
     raise NotImplementedError(f"the decode kernel needs V % {BLOCK_V} == 0 and K % 8 == 0, got V={vdim}, K={kdim}")
   if state_io in DIRECT_ROWS and not _direct_fits(kdim, vdim, DIRECT_ROWS[state_io]):
     raise NotImplementedError(f'state_io="{state_io}" needs K % 32 == 0, K <= 256 and '
                               f'V % {DIRECT_ROWS[state_io]} == 0, got K={kdim}, V={vdim}')
-  if state_io is None:
-    state_io = choose_state_io(q.shape[0] * q.shape[-2], kdim, vdim, state_pool.dtype)
   return _decode(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, state_indices, num_accepted,
                  config=config, interpret=interpret, state_io=state_io)

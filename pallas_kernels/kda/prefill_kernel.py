@@ -18,10 +18,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import util
 from pallas_kernels.kda import prefill_prep, prefill_state
-from pallas_kernels.kda.config import KdaConfig
+from pallas_kernels.kda.config import CHUNK_SIZE as C, KdaConfig
 from pallas_kernels.mosaic_interpret import interpret_mode
-
-C = prefill_prep.C
 
 
 def _chunk_table(cu_seqlens: jax.Array, num_slots: int):

@@ -1,38 +1,8 @@
 """KDA prefill, stage 1 (chunk-parallel): everything that needs only one 64-token chunk of one head.
 
-One program per (chunk slot, head), one warpgroup. From the raw inputs of the chunk it computes the gate,
-the chunk-local cumulative gate ``G`` (log2 units), the L2 norms, β, the intra-chunk matrices ``Aqk`` and
-``L`` (strictly lower triangular, ``L[r, j] = β_r k̂_r · k̂_j 2^(G_r - G_j)``), ``A = (I + L)^-1`` and
-writes, per chunk and head, to chunk-padded workspaces:
-
-* ``qg = scale · q̂ ⊙ 2^G`` and ``kg = k̂ ⊙ 2^(G_last − G)``  (``[C, K]`` bf16),
-* ``neg_w = −A (β k̂ ⊙ 2^G)`` (``[C, K]``) and ``u = A (β v)`` (``[C, V]``) bf16,
-* ``aqk`` (``[C, C]`` bf16, causal incl. the diagonal, scale folded in),
-* ``chunk_decay = 2^G_last`` (``[K]`` f32), the decay of the whole chunk.
-
-Safe anchoring: 2^(G_r − G_j) is factored per 16-row query block b around an anchor row
-of that block, ``2^(G_r − ν_b) · 2^(ν_b − G_j)``. With the lower-bound gate the anchor is the block
-midpoint (every factor within ±8 tokens, |exponent| <= 8·5·log2 e ≈ 58) and the diagonal blocks use it too;
-with the unbounded softplus gate the anchor is the block's first row (factors <= 1 for the off-diagonal
-blocks) and the diagonal blocks are computed pairwise on CUDA cores. Keys past the block are masked to an
-exponent of −inf before ``exp2``, so no factor ever overflows.
-
-``A`` comes from recursive block doubling: with ``P_s`` the inverse of the block-diagonal part of
-``I + L`` at block size s, ``P_2s = P_s − (P_s F_s) P_s`` where ``F_s`` holds the sub-diagonal s-blocks of
-L inside each 2s-block (``(P_s F_s)² = 0``), i.e. exact block forward substitution in five levels of
-64×64 matmuls, with no power series (whose intermediate powers cancel catastrophically).
-
-The cumulative sum over tokens is a matmul with a lower-triangular ones matrix; to keep it at f32
-accuracy the gate is split into bf16 parts that accumulate in f32: two with the lower-bound gate (16 bits:
-|g| <= 7.3 per token, so G is off by at most 64 · 7.3 · 2^-18 ≈ 2e-3 and typically 1e-4), three with the
-unbounded softplus gate. The anchored exponent ``G_r − ν_b`` is a difference of two such sums.
-
-SMEM is sized for two programs per SM (about 98 KB with the lower-bound gate): buffers of disjoint
-lifetimes share memory through ``RefUnion``s (raw q | Qt | P and F; raw k | Kd | X and Aqk; raw v | βv
-then U; raw g | gate parts | G rows | βk then W, and the qg/kg staging that then holds the key tiles two
-blocks at a time). Each hand-over is separated by a warpgroup barrier; nothing may be read through one
-member once another has written (interpret mode does not alias the union, so such a read only fails on
-the GPU).
+One program per (chunk slot, head), one warpgroup, turns the chunk's raw inputs into the bf16 operands of
+stage 2 (``qg``, ``kg``, ``neg_w``, ``u``, ``aqk``) and its f32 ``chunk_decay``. See README.md, "Prefill stage
+1", for the formulas, the safe anchoring of the gate exponents, the inverse by block doubling and SMEM reuse.
 """
 
 import functools
@@ -43,37 +13,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import util
+from pallas_kernels.kda._mosaic import COLV, ROWV, WG, bcast_cols, bcast_rows, bf16, f32, tiled
+from pallas_kernels.kda.config import CHUNK_SIZE as C
 from pallas_kernels.kda.kernel_math import GATE_FLOOR, L2NORM_EPS, gate
+from pallas_kernels.kda.reference import SUB_BLOCK as SUB
+from pallas_kernels.util import LOG2E
 
-C = 64  # chunk
-SUB = 16  # sub-block of the safe anchoring
 NSUB = C // SUB
-LOG2E = util.LOG2E
-
-WG = plgpu.Layout.WGMMA
-ROWV = WG.reduce(1)  # one value per row, broadcast along columns
-COLV = WG.reduce(0)  # one value per column, broadcast along rows
-f32, bf16 = jnp.float32, jnp.bfloat16
-
-
-def tiled(shape: tuple[int, ...], dtype=bf16) -> plgpu.SMEM:
-  """SMEM buffer in the wgmma operand form (8×64 tiles, 128-byte swizzle)."""
-  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
 
 def iota(shape: tuple[int, int], dim: int) -> jax.Array:
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WG)
-
-
-def bcast_rows(vec: jax.Array, shape: tuple[int, int]) -> jax.Array:
-  """[M] per-row vector -> [M, N]."""
-  return lax.broadcast_in_dim(vec, shape, [0])
-
-
-def bcast_cols(vec: jax.Array, shape: tuple[int, int]) -> jax.Array:
-  """[N] per-column vector -> [M, N]."""
-  return lax.broadcast_in_dim(vec, shape, [1])
 
 
 def matmul(pairs, shape: tuple[int, int]) -> jax.Array:
@@ -205,7 +155,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     # raw_q is read and every g_pad read is done in every warp before their memory takes the tiles.
     plgpu.commit_smem()
 
-    # Tiles. Every factor is a pairwise-safe exponent (see the anchoring above): 2^(G - G_anchor) bounded by ±58
+    # Tiles. Every factor is a pairwise-safe exponent (see README.md): 2^(G - G_anchor) bounded by ±58
     # (lower-bound gate) or <= 1 (softplus gate), 2^G, 2^(G_last - G) and the keys' 2^(ν_b - G) <= 2^58,
     # with keys past block b cut to 2^-inf = 0 by a per-row -inf added to the exponent.
     gamma_row = jnp.exp2(G)
@@ -291,7 +241,7 @@ def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_t: jax
 
   Returns:
     ``qg [S, H, C, K]``, ``kg [S, H, C, K]``, ``neg_w [S, H, C, K]``, ``u [S, H, C, V]``, ``aqk [S, H, C, C]``
-    (bf16) and ``chunk_decay [S, H, K]`` f32, as described in the module docstring.
+    (bf16) and ``chunk_decay [S, H, K]`` f32, as described in README.md.
   """
   T, H, K = q.shape
   V = v.shape[-1]

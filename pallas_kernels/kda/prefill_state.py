@@ -1,19 +1,8 @@
 """KDA prefill, stage 2 (sequential over the chunks of a sequence): state passing, output, pool I/O.
 
-One program per (V-block of 64, head, sequence), one warpgroup, in the transposed frame: the f32 register
-accumulator holds ``Sᵀ [64 (V), K]``, exactly one V-block of the V-first pool slot. Per chunk (stage-1
-workspaces, double-buffered TMA prefetch):
-
-    E  = U + Wn S                 (Wn = −W; [C, 64])
-    O  = Qg S + Aqk E             ([C, 64], scale folded into Qg and Aqk)
-    Sᵀ = Sᵀ ⊙ γ + Eᵀ Kg
-
-with ``S`` and ``E`` entering the matmuls as bf16 SMEM stashes (f32 accumulation). The initial state is
-read from the pool slot by TMA (zero when there is none), the state after every requested checkpoint chunk
-and the final state are rounded once to the pool dtype and written into their slots by TMA (a length-0
-sequence without an initial state writes its zero state). The output of
-a chunk is stored into the packed ``o [T, H, V]`` with a ladder of power-of-two row TMAs, so a partial last
-chunk never writes into the next sequence's rows.
+One program per (V-block of 64, head, sequence), one warpgroup, carries one V-block of the f32 state through
+the sequence's chunks from the stage-1 workspaces, writes ``o`` and reads / writes the pool slots (initial
+state, checkpoints, final state) by TMA. See README.md, "Prefill stage 2".
 """
 
 import functools
@@ -24,7 +13,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.prefill_prep import C, COLV, WG, bcast_cols, bf16, f32, tiled
+from pallas_kernels.kda._mosaic import COLV, WG, bcast_cols, bf16, f32, tiled
+from pallas_kernels.kda.config import CHUNK_SIZE as C
 
 BV = 64  # V-block of one program
 NBUF = 2  # prefetch depth (stages of the chunk-input ring)

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import util
+from pallas_kernels.kda.config import CHUNK_SIZE
+from pallas_kernels.util import LOG2E
 
-LOG2E = util.LOG2E
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
 SUB_BLOCK = 16
@@ -286,7 +286,7 @@ def _final_states(states: jax.Array, chunk_offsets: jax.Array, init: jax.Array) 
 def kda_chunk_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
                         scale: float | None = None, initial_state: jax.Array | None = None,
                         l2norm_qk: bool = True, lower_bound: float | None = None,
-                        chunk_size: int = 64) -> tuple[jax.Array, jax.Array]:
+                        chunk_size: int = CHUNK_SIZE) -> tuple[jax.Array, jax.Array]:
   """The chunked WY algorithm (chunk 64, 16-token sub-blocks) on a dense batch; same contract as
   ``kda_recurrent_reference``.
 
@@ -338,7 +338,7 @@ def kda_prefill_reference(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.A
                           state_indices: jax.Array, has_initial_state: jax.Array,
                           checkpoint_indptr: jax.Array, checkpoint_offsets: jax.Array,
                           checkpoint_slots: jax.Array, lower_bound: float | None = None,
-                          scale: float | None = None, chunk_size: int = 64) -> tuple[jax.Array, jax.Array]:
+                          scale: float | None = None, chunk_size: int = CHUNK_SIZE) -> tuple[jax.Array, jax.Array]:
   """``kda_prefill(impl="xla")``: chunked KDA over packed sequences with pool slots and checkpoints.
 
   Jit-able with traced index arrays (all shapes static, see ``_chunk_layout``). Inputs are assumed valid
