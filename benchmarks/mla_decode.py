@@ -31,11 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks._harness import cupti_kernels
-from pallas_kernels.mla import MlaDecodeConfig, api, mla_decode
+from pallas_kernels.mla import MlaDecodeConfig, api, default_tuning, mla_decode
 from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM
+from pallas_kernels.testing import K3_MLA_SCALE
 
-DIM, PAGE = LATENT_DIM + ROPE_DIM, PAGE_SIZE
-SCALE = 192 ** -0.5
+DIM = LATENT_DIM + ROPE_DIM
 XLA_MAX_TOKENS = 1 << 20
 WATCHDOG_S = 120  # a deadlocked kernel blocks forever; dump the stacks and exit instead
 
@@ -92,9 +92,9 @@ def main() -> None:
   print(f"copy bandwidth {copy_tbs:.2f} TB/s (read + write, {args.copy_gib:g} GiB jnp.copy); "
         f"read-only reduction {read_tbs:.2f} TB/s", flush=True)
 
-  num_pages = max(args.batch) * max(args.context) // PAGE
+  num_pages = max(args.batch) * max(args.context) // PAGE_SIZE
   kq, kc, kp = jax.random.split(jax.random.key(0), 3)
-  cache = jax.random.normal(kc, (num_pages, PAGE, DIM), jnp.bfloat16)
+  cache = jax.random.normal(kc, (num_pages, PAGE_SIZE, DIM), jnp.bfloat16)
   order = jax.random.permutation(kp, num_pages).astype(jnp.int32)
   print(f"cache {num_pages} pages ({cache.nbytes / 2**30:.1f} GiB)\n", flush=True)
   header = (f"{'B':>4} {'ctx':>7} {'Hq':>4} {'partial':>8} {'splits':>6} {'time us':>9} {'TB/s':>6} "
@@ -102,7 +102,7 @@ def main() -> None:
   print(header, flush=True)
   out = open(args.json, "a") if args.json else None
   for batch, context, heads in itertools.product(args.batch, args.context, args.heads):
-    pps = context // PAGE
+    pps = context // PAGE_SIZE
     table = order[: batch * pps].reshape(batch, pps)
     lens = jnp.full((batch,), context, jnp.int32)
     q = jax.random.normal(kq, (batch, heads, DIM), jnp.bfloat16)
@@ -110,15 +110,15 @@ def main() -> None:
     xla_s = None
     if batch * context <= XLA_MAX_TOKENS:
       faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
-      xla = jax.jit(lambda *a: mla_decode(*a, scale=SCALE, config=MlaDecodeConfig(impl="xla")))
+      xla = jax.jit(lambda *a: mla_decode(*a, config=MlaDecodeConfig(scale=K3_MLA_SCALE, impl="xla")))
       xla_s = time_call(xla, q, cache, table, lens)
     for partial in (jnp.bfloat16, jnp.float32):
       faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
-      config = MlaDecodeConfig(partial_dtype=partial, impl=args.impl)
-      f = jax.jit(lambda *a, config=config: mla_decode(*a, scale=SCALE, config=config))
+      config = MlaDecodeConfig(scale=K3_MLA_SCALE, partial_dtype=partial, impl=args.impl)
+      f = jax.jit(lambda *a, config=config: mla_decode(*a, config=config))
       sec = time_call(f, q, cache, table, lens)
       tbs = kv_bytes / sec / 1e12
-      splits = api.effective_num_splits(pps, api.choose_num_splits(batch, heads, pps))
+      splits = api.effective_num_splits(pps, default_tuning(batch, heads, pps).num_splits)
       merge = merge_device_us(f, q, cache, table, lens)
       merge_txt = f"{merge[0]:9.1f} {merge[1]:7.1%}" if merge else f"{'-':>9} {'-':>7}"
       row = dict(batch=batch, context=context, heads=heads, partial=jnp.dtype(partial).name, splits=splits,

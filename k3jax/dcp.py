@@ -1,24 +1,8 @@
 """Decode context parallelism (DCP) for MLA: the latent cache split along tokens over the model axis.
 
-Layout (interleave 1: vLLM's default, sglang's "rank r owns position p when p mod N = r"):
-
-- Token ``t`` of a sequence lives on device ``t mod N`` at local position ``c = t // N``.
-- Each device owns a local page pool. The global cache ``[N * P, 64, Dc + Dr]`` is split along pages
-  (logical name ``"kv_tokens"``): device ``d`` holds global pages ``[d P, (d + 1) P)`` as its local pages
-  ``0 .. P - 1``.
-- One block table ``[B, max_pages]`` of local page ids serves every device (as in vLLM): local position
-  ``c`` of sequence ``b`` is row ``c % 64`` of local page ``block_table[b, c // 64]`` on its owner. The
-  local lengths of a sequence differ by at most one token between devices, so one allocator for all
-  devices wastes at most one page per sequence and device, and block tables are never exchanged.
-- A sequence of global length ``L`` holds ``L_d = (L - d + N - 1) // N`` tokens on device ``d`` (0 when
-  ``L <= d``: an empty local shard, whose partial is the identity ``(0, -inf)``).
-
-With ``N = 1`` this is exactly the single-device paged layout of ``pallas_kernels.mla``.
-
-Decode: the head-sharded absorbed queries are all-gathered over heads,
-every device attends with all heads over its local tokens, the ``(o, lse)`` partials go back to the
-devices owning the heads in one all-to-all (``o`` in ``partial_dtype``, the f32 LSE bit-packed into the
-same buffer), and ``merge_partials`` combines them in f32. The latent cache never moves.
+Token ``t`` of a sequence lives on device ``t mod N`` at local position ``t // N``, every device reads it
+through one shared block table of local page ids, and only the absorbed queries and the ``(o, lse)`` partials
+cross devices. The layout and the decode are described in ``pallas_kernels/mla/README.md``.
 """
 
 import functools
@@ -31,7 +15,7 @@ from pallas_kernels import util
 from pallas_kernels import mla as mla_ops
 from pallas_kernels.mla import MlaDecodeConfig, merge_partials
 from pallas_kernels.mla import reference as mla_reference
-from pallas_kernels.mla.config import LATENT_DIM
+from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE
 
 Q_NAMES = ("batch", "heads", "kv_latent")
 LSE_NAMES = ("batch", "heads")
@@ -43,12 +27,12 @@ def local_lens(seq_lens: jax.Array, rank, n: int) -> jax.Array:
   return (seq_lens - rank + n - 1) // n
 
 
-def pages_per_device(seq_len: int, n: int, page_size: int = 64) -> int:
+def pages_per_device(seq_len: int, n: int, page_size: int = PAGE_SIZE) -> int:
   """Local pages a sequence of ``seq_len`` tokens needs on its fullest device (device 0)."""
   return util.cdiv(util.cdiv(seq_len, n), page_size)
 
 
-def capacity(max_pages: int, n: int | None = None, page_size: int = 64) -> int:
+def capacity(max_pages: int, n: int | None = None, page_size: int = PAGE_SIZE) -> int:
   """Tokens a sequence can hold in a DCP cache of ``max_pages`` table columns: ``n * max_pages * page_size``.
 
   Args:
@@ -80,12 +64,12 @@ def _unpack(buf: jax.Array, dc: int) -> tuple[jax.Array, jax.Array]:
   return buf[..., :dc], jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _decode_local(q, kv, block_table, seq_lens, *, scale, config):
+def _decode_local(q, kv, block_table, seq_lens, *, config):
   n = jax.lax.axis_size(sharding.MODEL)
   rank = jax.lax.axis_index(sharding.MODEL)
   q_all = jax.lax.all_gather(q, sharding.MODEL, axis=1, tiled=True)
   # The local output is a partial merged again below: it stays in partial_dtype, not q's (maybe bf16) dtype.
-  o, lse = mla_ops.mla_decode(q_all, kv, block_table, local_lens(seq_lens, rank, n), scale=scale, config=config,
+  o, lse = mla_ops.mla_decode(q_all, kv, block_table, local_lens(seq_lens, rank, n), config=config,
                               out_dtype=config.partial_dtype)
   buf = _pack(o, lse, config.partial_dtype)
   batch, heads, width = buf.shape
@@ -97,9 +81,8 @@ def _decode_local(q, kv, block_table, seq_lens, *, scale, config):
 
 
 def dcp_mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, seq_lens: jax.Array, *,
-                   scale: float, mesh: jax.sharding.Mesh,
-                   config: MlaDecodeConfig | None = None) -> tuple[jax.Array, jax.Array]:
-  """Absorbed MLA decode over a DCP latent cache (layout in the module docstring).
+                   mesh: jax.sharding.Mesh, config: MlaDecodeConfig) -> tuple[jax.Array, jax.Array]:
+  """Absorbed MLA decode over a DCP latent cache (layout in ``pallas_kernels/mla/README.md``).
 
   Args:
     q_abs: ``[B, Hq, Dc + Dr]`` absorbed queries, split over heads (``Hq`` a multiple of the mesh size;
@@ -107,20 +90,21 @@ def dcp_mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array
     kv_cache: ``[N * P, 64, Dc + Dr]`` DCP latent cache, split over pages.
     block_table: ``[B, max_pages]`` int32 local page ids, the same on every device.
     seq_lens: ``[B]`` int32 global tokens per sequence, in ``[0, N * max_pages * 64]``.
-    scale: softmax scale on ``q_abs . kv``.
     mesh: the mesh (``sharding.make_mesh``).
-    config: ``MlaDecodeConfig`` of the per-device decode; its ``partial_dtype`` is also the dtype of the
-      partial outputs on the wire (the LSE is always f32).
+    config: ``MlaDecodeConfig`` of the per-device decode (its ``scale`` is the softmax scale on
+      ``q_abs . kv``); its ``partial_dtype`` is also the dtype of the partial outputs on the wire (the LSE is
+      always f32).
 
   Returns:
     ``o [B, Hq, Dc]`` in q's dtype and ``lse [B, Hq]`` f32, both split over heads; an empty sequence
     gives ``(0, -inf)``.
 
   Raises:
-    ValueError: malformed shapes or dtypes, ``Hq`` or the pages not a multiple of the mesh size, or (when
-      concrete) lengths or used page ids out of range.
+    ValueError: a ``config`` that is no ``MlaDecodeConfig``, malformed shapes or dtypes, ``Hq`` or the pages
+      not a multiple of the mesh size, or (when concrete) lengths or used page ids out of range.
   """
-  config = config or MlaDecodeConfig()
+  if not isinstance(config, MlaDecodeConfig):
+    raise ValueError(f"config must be an MlaDecodeConfig, got {config!r}")
   n = sharding.mesh_size(mesh)
   if q_abs.ndim != 3 or kv_cache.ndim != 3:
     raise ValueError(f"q_abs must be (B, Hq, Dc + Dr) and kv_cache (pages, 64, Dc + Dr), got "
@@ -132,14 +116,13 @@ def dcp_mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array
   # Device 0 holds the most tokens of every sequence: checking its lengths and pages checks all devices.
   mla_reference.validate_decode_inputs(q_abs, local_cache, block_table,
                                        seq_lens if lens is None else local_lens(lens, 0, n),
-                                       scale=scale, latent_dim=LATENT_DIM)
-  return _dcp_mla_decode(q_abs, kv_cache, block_table, seq_lens.astype(jnp.int32), scale=float(scale), mesh=mesh,
-                         config=config)
+                                       scale=config.scale, latent_dim=LATENT_DIM)
+  return _dcp_mla_decode(q_abs, kv_cache, block_table, seq_lens.astype(jnp.int32), mesh=mesh, config=config)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "mesh", "config"))
-def _dcp_mla_decode(q_abs, kv_cache, block_table, seq_lens, *, scale, mesh, config):
-  local = functools.partial(_decode_local, scale=scale, config=config)
+@functools.partial(jax.jit, static_argnames=("mesh", "config"))
+def _dcp_mla_decode(q_abs, kv_cache, block_table, seq_lens, *, mesh, config):
+  local = functools.partial(_decode_local, config=config)
   fn = sharding.shard_kernel(local, (Q_NAMES, CACHE_NAMES, None, None), (Q_NAMES, LSE_NAMES), mesh)
   return fn(q_abs, kv_cache, block_table, seq_lens)
 

@@ -8,26 +8,17 @@ import numpy as np
 import pytest
 
 from k3jax import dcp, sharding, steps
-from pallas_kernels.mla import MlaDecodeConfig, mla_decode
+from pallas_kernels.mla import MlaDecodeConfig, MlaDecodeTuning, mla_decode
+from pallas_kernels.mla.config import LATENT_DIM, ROPE_DIM
+from pallas_kernels.testing import K3_MLA_SCALE, MLA_PAD_IDS, mla_attention_oracle, mla_paged_cache
 
-D, DC = 576, 512
-SCALE = 192 ** -0.5
-PAD_ID = 2147480000  # FlashMLA's huge id for unused block-table entries: must never be dereferenced
+D, DC = LATENT_DIM + ROPE_DIM, LATENT_DIM
+PAD_ID = MLA_PAD_IDS[0]  # must never be dereferenced
 
 
 def oracle(q, tokens, lens):
-  """Float64 absorbed MLA decode: q ``[B, H, D]``, tokens ``[B, L, D]`` -> o ``[B, H, Dc]``, lse ``[B, H]``."""
-  q, tokens = np.asarray(q, np.float64), np.asarray(tokens, np.float64)
-  o = np.zeros(q.shape[:2] + (DC,))
-  lse = np.full(q.shape[:2], -np.inf)
-  for b, length in enumerate(lens):
-    if length:
-      s = SCALE * q[b] @ tokens[b, :length].T
-      m = s.max(-1, keepdims=True)
-      p = np.exp(s - m)
-      o[b] = p @ tokens[b, :length, :DC] / p.sum(-1, keepdims=True)
-      lse[b] = m[:, 0] + np.log(p.sum(-1))
-  return o, lse
+  """Float64 absorbed MLA decode at K3's scale: q ``[B, H, D]``, tokens ``[B, L, D]``."""
+  return mla_attention_oracle(q, tokens, lens, scale=K3_MLA_SCALE)
 
 
 def make_inputs(rng, batch, heads, lens, dtype=np.float32):
@@ -50,35 +41,22 @@ def dcp_table(rng, lens, n):
   return table, sum(pages) + 2
 
 
-def dcp_layout(tokens, lens, table, n, pages):
-  """Independent host copy of the DCP layout; unwritten rows are NaN."""
-  cache = np.full((n * pages, 64, D), np.nan, tokens.dtype)
-  for b, length in enumerate(lens):
-    for t in range(length):
-      c = t // n
-      cache[(t % n) * pages + table[b, c // 64], c % 64] = tokens[b, t]
-  return cache
-
-
 def run_dcp(mesh, q, cache, table, lens, partial_dtype):
-  config = MlaDecodeConfig(impl="xla", partial_dtype=partial_dtype)
+  config = MlaDecodeConfig(scale=K3_MLA_SCALE, impl="xla", partial_dtype=partial_dtype)
   q = jax.device_put(q, sharding.named_sharding(mesh, *dcp.Q_NAMES))
   cache = jax.device_put(cache, sharding.named_sharding(mesh, *dcp.CACHE_NAMES))
-  return dcp.dcp_mla_decode(q, cache, jnp.asarray(table), jnp.asarray(lens, jnp.int32), scale=SCALE,
-                            mesh=mesh, config=config)
+  return dcp.dcp_mla_decode(q, cache, jnp.asarray(table), jnp.asarray(lens, jnp.int32), mesh=mesh, config=config)
 
 
 def single_device(q, tokens, lens, partial_dtype):
   """mla_decode on the ordinary paged layout (one split: an unsplit reference)."""
   width = max(-(-max(lens) // 64), 1)
   table = np.arange(len(lens) * width, dtype=np.int32).reshape(len(lens), width)
-  cache = np.full((len(lens) * width, 64, D), np.nan, tokens.dtype)
-  for b, length in enumerate(lens):
-    for t in range(length):
-      cache[table[b, t // 64], t % 64] = tokens[b, t]
-  config = MlaDecodeConfig(impl="xla", partial_dtype=partial_dtype, num_splits=1)
+  cache = mla_paged_cache(tokens, lens, table, table.size)
+  config = MlaDecodeConfig(scale=K3_MLA_SCALE, impl="xla", partial_dtype=partial_dtype,
+                           tuning=MlaDecodeTuning(num_splits=1))
   return mla_decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(table), jnp.asarray(lens, jnp.int32),
-                    scale=SCALE, config=config)
+                    config=config)
 
 
 # Ragged: empty, shorter than 9 (empty local shards on most devices), exactly 9, and several pages per device.
@@ -91,7 +69,7 @@ def test_dcp_decode_matches_single_device_and_oracle(n):
   mesh = sharding.make_mesh(n)
   q, tokens = make_inputs(rng, len(LENS), 2 * n, LENS)
   table, pages = dcp_table(rng, LENS, n)
-  o, lse = run_dcp(mesh, q, dcp_layout(tokens, LENS, table, n, pages), table, LENS, jnp.float32)
+  o, lse = run_dcp(mesh, q, mla_paged_cache(tokens, LENS, table, pages, devices=n), table, LENS, jnp.float32)
   o1, lse1 = single_device(q, tokens, LENS, jnp.float32)
   ref_o, ref_lse = oracle(q, tokens, LENS)
   assert o.shape == (len(LENS), 2 * n, DC) and o.dtype == jnp.float32
@@ -118,7 +96,7 @@ def test_partial_dtype_on_the_wire(io_dtype):
   mesh = sharding.make_mesh(n)
   q, tokens = make_inputs(rng, len(LENS), n, LENS, io_dtype)
   table, pages = dcp_table(rng, LENS, n)
-  cache = dcp_layout(tokens, LENS, table, n, pages)
+  cache = mla_paged_cache(tokens, LENS, table, pages, devices=n)
   ref_o, ref_lse = oracle(q, tokens, LENS)
   vmax = np.abs(ref_o).max()
   err = {}
@@ -149,13 +127,11 @@ def test_mla_decode_out_dtype():
   lens = [0, 70, 200]
   q, tokens = make_inputs(rng, len(lens), 3, lens, jnp.bfloat16)
   table = np.arange(len(lens) * 4, dtype=np.int32).reshape(len(lens), 4)
-  cache = np.full((table.size, 64, D), np.nan, jnp.bfloat16)
-  for b, length in enumerate(lens):
-    for t in range(length):
-      cache[table[b, t // 64], t % 64] = tokens[b, t]
-  config = MlaDecodeConfig(impl="xla", partial_dtype=jnp.float32, num_splits=2)
+  cache = mla_paged_cache(tokens, lens, table, table.size)
+  config = MlaDecodeConfig(scale=K3_MLA_SCALE, impl="xla", partial_dtype=jnp.float32,
+                           tuning=MlaDecodeTuning(num_splits=2))
   run = lambda **kw: mla_decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(table), jnp.asarray(lens, jnp.int32),
-                                scale=SCALE, config=config, **kw)
+                                config=config, **kw)
   (o_q, lse_q), (o_32, lse_32) = run(), run(out_dtype=jnp.float32)
   assert o_q.dtype == jnp.bfloat16 and o_32.dtype == jnp.float32 and o_32.shape == o_q.shape == (3, 3, DC)
   assert lse_q.dtype == lse_32.dtype == jnp.float32
@@ -189,7 +165,7 @@ def test_dcp_write_places_tokens_on_their_owner_only():
   assert out.shape == (n * pages, 64, D) and out.dtype == jnp.float32
   assert out.sharding.is_equivalent_to(sharding.named_sharding(mesh, *dcp.CACHE_NAMES), 3)
   # Bitwise: written rows hold the tokens, every other row keeps its NaN poison.
-  np.testing.assert_array_equal(np.asarray(out), dcp_layout(tokens, lens, table, n, pages))
+  np.testing.assert_array_equal(np.asarray(out), mla_paged_cache(tokens, lens, table, pages, devices=n))
 
 
 def test_append_token_then_decode():
@@ -199,7 +175,7 @@ def test_append_token_then_decode():
   lens = np.array([0, 4, 8, 63, 64 * 9], np.int32)  # the last one starts a new page on device 0
   q, tokens = make_inputs(rng, len(lens), n, list(lens + 1))
   table, pages = dcp_table(rng, lens + 1, n)
-  before = dcp_layout(tokens, lens, table, n, pages)
+  before = mla_paged_cache(tokens, lens, table, pages, devices=n)
   cache = jax.device_put(before, sharding.named_sharding(mesh, *dcp.CACHE_NAMES))
   append = jax.jit(lambda c, t, l, x: dcp.dcp_append_token(c, t, l, x, mesh=mesh), donate_argnums=0)
   rows = np.arange(len(lens))
@@ -209,7 +185,7 @@ def test_append_token_then_decode():
   # Exactly one row per sequence changed, on device (position mod n), holding the new token.
   owners = sorted(int(p) // pages for p, _ in changed)
   assert owners == sorted(int(length) % n for length in lens)
-  np.testing.assert_array_equal(after, dcp_layout(tokens, lens + 1, table, n, pages))
+  np.testing.assert_array_equal(after, mla_paged_cache(tokens, lens + 1, table, pages, devices=n))
   o, _ = run_dcp(mesh, q, after, table, lens + 1, jnp.float32)
   np.testing.assert_allclose(np.asarray(o), oracle(q, tokens, lens + 1)[0], rtol=0, atol=5e-6)
 
@@ -220,10 +196,10 @@ def test_hlo_moves_queries_and_partials_never_the_cache():
   mesh = sharding.make_mesh(n)
   q, tokens = make_inputs(rng, len(LENS), n, LENS)
   table, pages = dcp_table(rng, LENS, n)
-  config = MlaDecodeConfig(impl="xla", partial_dtype=jnp.bfloat16)
-  step = jax.jit(lambda q, c, t, l: dcp.dcp_mla_decode(q, c, t, l, scale=SCALE, mesh=mesh, config=config))
+  config = MlaDecodeConfig(scale=K3_MLA_SCALE, impl="xla", partial_dtype=jnp.bfloat16)
+  step = jax.jit(lambda q, c, t, l: dcp.dcp_mla_decode(q, c, t, l, mesh=mesh, config=config))
   args = (jax.device_put(q, sharding.named_sharding(mesh, *dcp.Q_NAMES)),
-          jax.device_put(dcp_layout(tokens, LENS, table, n, pages),
+          jax.device_put(mla_paged_cache(tokens, LENS, table, pages, devices=n),
                          sharding.named_sharding(mesh, *dcp.CACHE_NAMES)),
           jnp.asarray(table), jnp.asarray(LENS, jnp.int32))
   lowered = step.lower(*args)
@@ -252,11 +228,10 @@ def test_validation_errors():
   lens = [5, 20]
   q, tokens = make_inputs(rng, 2, n, lens)
   table, pages = dcp_table(rng, lens, n)
-  cache = dcp_layout(tokens, lens, table, n, pages)
-  config = MlaDecodeConfig(impl="xla")
+  cache = mla_paged_cache(tokens, lens, table, pages, devices=n)
+  config = MlaDecodeConfig(scale=K3_MLA_SCALE, impl="xla")
   decode = lambda q=q, c=cache, t=table, l=lens: dcp.dcp_mla_decode(
-      jnp.asarray(q), jnp.asarray(c), jnp.asarray(t), jnp.asarray(l, jnp.int32), scale=SCALE, mesh=mesh,
-      config=config)
+      jnp.asarray(q), jnp.asarray(c), jnp.asarray(t), jnp.asarray(l, jnp.int32), mesh=mesh, config=config)
   with pytest.raises(ValueError, match="q_abs: dim 1 .* not a multiple of the 9 devices"):
     decode(q=q[:, :8])
   with pytest.raises(ValueError, match="kv_cache: dim 0"):

@@ -6,7 +6,7 @@ the heuristic), both partial dtypes, diffuse to peaky attention (a few rows alig
 whose logits stand far above the rest), and poison (NaN, +-inf or a huge value) in every cache row that is
 no token: the rows past a sequence's end and the pages no table uses. The kernel (``kernel_impl``) is
 compared with the split reference (``impl="xla"``, same splits and partial dtype) and with the float64
-oracle of ``test_mla_oracle``. Shapes are small in interpret mode (CPU) and realistic on a Hopper GPU.
+oracle of ``pallas_kernels.testing``. Shapes are small in interpret mode (CPU) and realistic on a Hopper GPU.
 """
 
 import jax.numpy as jnp
@@ -15,9 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pallas_kernels import util
-from pallas_kernels.mla import MlaDecodeConfig, merge_partials, mla_decode
+from pallas_kernels.mla import MlaDecodeConfig, MlaDecodeTuning, merge_partials, mla_decode
+from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM
+from pallas_kernels.testing import K3_MLA_SCALE, MLA_PAD_IDS, mla_decode_oracle, mla_merge_oracle
 from support import budget
-from test_mla_oracle import LATENT, PAD_IDS, PAGE, ROPE, SCALE, merge_oracle, oracle
 
 ON_GPU = util.is_hopper_gpu()
 # Interpret mode simulates every warpgroup, copy and barrier, so CPU examples stay small: a few sequences of
@@ -46,7 +47,7 @@ def decode_batches(draw):
   heads = draw(st.sampled_from(HEADS))
   batch = draw(st.integers(1, MAX_BATCH))
   max_pages = draw(st.integers(1, MAX_PAGES))
-  capacity = max_pages * PAGE
+  capacity = max_pages * PAGE_SIZE
   edges = [n for n in (0, 1, 63, 64, 65, capacity - 1, capacity) if n <= capacity]
   length = st.one_of(st.sampled_from(edges), st.integers(0, capacity))
   lens = np.array(draw(st.lists(length, min_size=batch, max_size=batch)), np.int32)
@@ -59,14 +60,14 @@ def decode_batches(draw):
   spare_pages = draw(st.integers(0, 4))
   rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
 
-  dim = LATENT + ROPE
-  need = -(-lens // PAGE)
+  dim = LATENT_DIM + ROPE_DIM
+  need = -(-lens // PAGE_SIZE)
   num_pages = int(need.sum()) + spare_pages + 1
   ids = rng.permutation(num_pages)  # scattered, out of order; the last spare_pages + 1 are never used
   # Past each sequence's last page: padding ids, or ids of any page (which must not be read either).
-  table = rng.choice(np.concatenate([PAD_IDS, ids]), (batch, max_pages)).astype(np.int32)
+  table = rng.choice(np.concatenate([MLA_PAD_IDS, ids]), (batch, max_pages)).astype(np.int32)
   q = rng.standard_normal((batch, heads, dim)) * q_std
-  cache = np.full((num_pages, PAGE, dim), poison, np.float32)
+  cache = np.full((num_pages, PAGE_SIZE, dim), poison, np.float32)
   start = 0
   for b, n in enumerate(lens):
     pages = ids[start:start + need[b]]
@@ -76,10 +77,10 @@ def decode_batches(draw):
     # A peaky row is a multiple of one head's query: a logit of 8-30 for that head, against O(1) for the rest.
     for t in rng.choice(n, min(peaky_rows, n), replace=False):
       h = rng.integers(heads)
-      rows[t] = q[b, h] * rng.uniform(8, 30) / (SCALE * q[b, h] @ q[b, h])
+      rows[t] = q[b, h] * rng.uniform(8, 30) / (K3_MLA_SCALE * q[b, h] @ q[b, h])
     flat = cache[pages].reshape(-1, dim)
     flat[:n] = rows
-    cache[pages] = flat.reshape(-1, PAGE, dim)
+    cache[pages] = flat.reshape(-1, PAGE_SIZE, dim)
   args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(cache, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens))
   return args, num_splits, partial_dtype
 
@@ -94,14 +95,14 @@ def _row_rel_l2(o, ref):
 @given(drawn=decode_batches())
 def test_mla_decode_matches_reference_and_oracle(kernel_impl, drawn):
   args, num_splits, partial_dtype = drawn
-  o_ref, lse_ref = oracle(*args, scale=SCALE)
+  o_ref, lse_ref = mla_decode_oracle(*args, scale=K3_MLA_SCALE)
   live = np.asarray(args[3]) > 0
   tol = O_REL_L2[partial_dtype]
   results = {}
   for impl in ("xla", kernel_impl):
-    o, lse = mla_decode(*args, scale=SCALE,
-                        config=MlaDecodeConfig(num_splits=num_splits, partial_dtype=partial_dtype, impl=impl))
-    assert o.shape == args[0].shape[:2] + (LATENT,) and o.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    o, lse = mla_decode(*args, config=MlaDecodeConfig(scale=K3_MLA_SCALE, partial_dtype=partial_dtype, impl=impl,
+                                                      tuning=MlaDecodeTuning(num_splits=num_splits)))
+    assert o.shape == args[0].shape[:2] + (LATENT_DIM,) and o.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     o, lse = np.asarray(o.astype(jnp.float32), np.float64), np.asarray(lse)
     assert (o[~live] == 0).all() and np.isneginf(lse[~live]).all()
     assert _row_rel_l2(o[live], o_ref[live]) < tol, impl
@@ -145,7 +146,7 @@ def test_merge_partials_matches_oracle(drawn):
   o_parts, lse_parts, out_dtype = drawn
   o, lse = merge_partials(o_parts, lse_parts, out_dtype=out_dtype)
   assert o.dtype == out_dtype and lse.dtype == jnp.float32
-  o_ref, lse_ref = merge_oracle(o_parts, lse_parts)
+  o_ref, lse_ref = mla_merge_oracle(o_parts, lse_parts)
   # NaN must stand exactly where the oracle's is (assert_allclose compares NaN only with NaN).
   np.testing.assert_allclose(np.asarray(o.astype(jnp.float32)), o_ref, rtol=MERGE_RTOL[out_dtype], atol=MERGE_ATOL)
   np.testing.assert_allclose(np.asarray(lse), lse_ref, rtol=1e-6, atol=MERGE_LSE_ATOL)

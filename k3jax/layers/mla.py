@@ -100,8 +100,8 @@ class MlaLayer(nnx.Module):
     w_uk, w_uv = self._weights()
     q_lat = jnp.einsum("mhd,rhd->mhr", q[..., :dn], w_uk, preferred_element_type=jnp.float32)
     q_abs = jnp.concatenate([q_lat.astype(cfg.dtype), q[..., dn:]], axis=-1)
-    o_lat, lse = ops.mesh_mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=cfg.mla_scale,
-                                config=cfg.mla_op_config())
+    # The op's config carries the model's scale (dn + dr) ** -0.5: q_abs alone (R + dr wide) cannot give it.
+    o_lat, lse = ops.mesh_mla_decode(q_abs, kv_cache, block_table, seq_lens, config=cfg.mla_op_config())
     return jnp.einsum("mhr,rhv->mhv", o_lat, w_uv, preferred_element_type=jnp.float32), lse
 
   def _attend_prefix(self, q: jax.Array, kv_cache: jax.Array, block_table: jax.Array,

@@ -7,13 +7,13 @@ import jax.numpy as jnp
 
 from pallas_kernels import util
 from pallas_kernels.mla import kernel, reference
-from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM, MlaDecodeConfig
-ROW_TILE = 64  # query-head rows per kernel program (one wgmma M tile)
+from pallas_kernels.mla.config import HEAD_TILE, LATENT_DIM, PAGE_SIZE, ROPE_DIM, MlaDecodeConfig, MlaDecodeTuning
+
 MIN_PAGES_PER_SPLIT = 16  # below ~1024 tokens a split's partial (o, lse) traffic rivals its KV bytes.
 
 
 def choose_num_splits(batch: int, num_heads: int, max_pages: int) -> int:
-  """Splits of the KV length for ``num_splits=None``, from static shapes only.
+  """Splits of the KV length that ``default_tuning`` picks, from static shapes only.
 
   The kernel runs one program per (64-head tile, split, sequence), about one per SM. With
   ``programs = batch * ceil(num_heads / 64)``: no split when the programs already fill 80% of the SMs;
@@ -21,7 +21,7 @@ def choose_num_splits(batch: int, num_heads: int, max_pages: int) -> int:
   at least 16 pages, so its partial writes stay small next to its KV reads): the smallest ``s`` whose
   efficiency ``waves / ceil(waves)`` (``waves = programs * s / 132``) is within 85% of the best.
   """
-  programs = batch * util.cdiv(num_heads, ROW_TILE)
+  programs = batch * util.cdiv(num_heads, HEAD_TILE)
   max_splits = max(1, max_pages // MIN_PAGES_PER_SPLIT)
   if programs >= 0.8 * util.NUM_SMS or max_splits == 1:
     return 1
@@ -32,6 +32,18 @@ def choose_num_splits(batch: int, num_heads: int, max_pages: int) -> int:
 
   best = max(efficiency(s) for s in range(1, max_splits + 1))
   return next(s for s in range(1, max_splits + 1) if efficiency(s) >= 0.85 * best)
+
+
+def default_tuning(batch: int, num_heads: int, max_pages: int) -> MlaDecodeTuning:
+  """The tuning ``mla_decode`` takes for ``config.tuning=None`` (and for each None field of a given tuning).
+
+  Args:
+    batch: B, sequences of the call. num_heads: Hq, query heads. max_pages: block-table columns.
+
+  Returns:
+    ``MlaDecodeTuning`` with ``num_splits`` from ``choose_num_splits``.
+  """
+  return MlaDecodeTuning(num_splits=choose_num_splits(batch, num_heads, max_pages))
 
 
 def effective_num_splits(max_pages: int, num_splits: int) -> int:
@@ -54,7 +66,7 @@ def _mla_decode(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, pa
 
 
 def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, seq_lens: jax.Array, *,
-               scale: float, config: MlaDecodeConfig | None = None,
+               config: MlaDecodeConfig,
                out_dtype: jax.typing.DTypeLike | None = None) -> tuple[jax.Array, jax.Array]:
   """Absorbed MLA decode, split along the KV length.
 
@@ -68,23 +80,24 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
       first ``Dc`` columns. Rows past a sequence's length and unused pages may hold anything (NaN too).
     block_table: ``[B, max_pages]`` int32 page ids of each sequence; ids of unused pages are ignored.
     seq_lens: ``[B]`` int32 tokens per sequence, in ``[0, max_pages * 64]`` (0 allowed).
-    scale: softmax scale on ``q_abs . kv`` (required: ``192 ** -0.5`` for K3, not ``576 ** -0.5``).
-    config: ``MlaDecodeConfig``.
+    config: ``MlaDecodeConfig`` (scale, required: ``192 ** -0.5`` for K3, not ``576 ** -0.5``; partial dtype,
+      impl, tuning).
     out_dtype: dtype of ``o`` (f32/bf16/f16); None means q's dtype. A partial that is merged again later
       (decode context parallelism) keeps ``config.partial_dtype`` here rather than rounding to q's dtype.
 
   Returns:
     ``o [B, Hq, Dc]`` in ``out_dtype`` and ``lse [B, Hq]`` f32 (natural log); an empty sequence gives
     ``o = 0``, ``lse = -inf``. A NaN or inf in ``q_abs`` or in a token's cache row makes the heads it
-    reaches non-finite (NaN where it reaches the logits), whatever ``num_splits``.
+    reaches non-finite (NaN where it reaches the logits), whatever the tuning.
 
   Raises:
-    ValueError: malformed shapes, dtypes (``out_dtype`` too) or (when concrete) ``seq_lens`` / used page ids
-      out of range.
+    ValueError: a ``config`` that is no ``MlaDecodeConfig``, malformed shapes, dtypes (``out_dtype`` too) or
+      (when concrete) ``seq_lens`` / used page ids out of range.
     NotImplementedError: the kernels with a q or cache dtype other than bf16.
   """
-  config = config or MlaDecodeConfig()
-  reference.validate_decode_inputs(q_abs, kv_cache, block_table, seq_lens, scale=scale,
+  if not isinstance(config, MlaDecodeConfig):
+    raise ValueError(f"config must be an MlaDecodeConfig, got {config!r}")
+  reference.validate_decode_inputs(q_abs, kv_cache, block_table, seq_lens, scale=config.scale,
                                    latent_dim=LATENT_DIM, page_size=PAGE_SIZE)
   util.check_shape("q_abs", q_abs, (None, None, LATENT_DIM + ROPE_DIM))
   out_dtype = util.canonical_dtype("out_dtype", q_abs.dtype if out_dtype is None else out_dtype,
@@ -94,8 +107,9 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
                               f"{jnp.dtype(q_abs.dtype).name} and {jnp.dtype(kv_cache.dtype).name}")
   batch, num_heads, _ = q_abs.shape
   max_pages = block_table.shape[1]
-  num_splits = config.num_splits or choose_num_splits(batch, num_heads, max_pages)
-  return _mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=float(scale),
+  tuning = config.tuning or MlaDecodeTuning()
+  num_splits = tuning.num_splits or default_tuning(batch, num_heads, max_pages).num_splits
+  return _mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=config.scale,
                      num_splits=effective_num_splits(max_pages, num_splits),
                      partial_dtype=config.partial_dtype, impl=config.impl, out_dtype=out_dtype)
 

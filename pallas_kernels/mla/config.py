@@ -1,6 +1,7 @@
-"""Static configuration of the split-K MLA decode."""
+"""Static configuration of the split-K MLA decode, and the shape constants its kernel is specialised to."""
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
@@ -9,6 +10,35 @@ from pallas_kernels import util
 LATENT_DIM = 512  # Dc: kv_lora_rank; V is the first Dc cache columns.
 ROPE_DIM = 64  # Dr
 PAGE_SIZE = 64  # tokens per page of the paged latent cache
+HEAD_TILE = 64  # query-head rows per kernel program: one wgmma M tile
+
+
+def positive_float(name: str, value) -> float:
+  """``float(value)`` if it is finite and > 0, else a ValueError naming the field (float() names only the value)."""
+  try:
+    x = float(value)
+  except (TypeError, ValueError):
+    raise ValueError(f"{name} must be a finite float > 0, got {value!r}") from None
+  if not (math.isfinite(x) and x > 0.0):
+    raise ValueError(f"{name} must be a finite float > 0, got {value!r}")
+  return x
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MlaDecodeTuning:
+  """Performance knobs of ``mla_decode``: any value gives the same result up to the rounding of the partials.
+
+  Attributes:
+    num_splits: splits S of the KV length (clamped so that no split is empty by shape); None takes
+      ``mla.api.default_tuning``'s.
+  """
+
+  num_splits: int | None = None
+
+  def __post_init__(self):
+    if self.num_splits is not None and (isinstance(self.num_splits, bool) or not isinstance(self.num_splits, int)
+                                        or self.num_splits < 1):
+      raise ValueError(f"num_splits must be an int >= 1 or None, got {self.num_splits!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -16,19 +46,24 @@ class MlaDecodeConfig:
   """One frozen, hashable config for ``mla_decode``.
 
   Attributes:
-    num_splits: splits S of the KV length; None picks them with the heuristic of ``mla.api.choose_num_splits``.
+    scale: softmax scale on ``q_abs . kv``, a finite float > 0. Required: absorbed queries are ``Dc + Dr`` wide
+      whatever the model's head dims, so the usual ``(Dn + Dr) ** -0.5`` (``192 ** -0.5`` for K3) cannot be
+      derived from them, and ``576 ** -0.5`` would be silently wrong.
     partial_dtype: storage dtype of the per-split normalised partial outputs (bf16 default, f32 opt-in).
       The per-split LSE is always f32; the cache dtype never changes.
     impl: "xla", "pallas" or "interpret" (see ``KdaConfig``).
+    tuning: ``MlaDecodeTuning``; None takes ``mla.api.default_tuning``'s for the call's shapes.
   """
 
-  num_splits: int | None = None
+  scale: float
   partial_dtype: jnp.dtype = jnp.bfloat16
   impl: str = dataclasses.field(default_factory=util.default_impl)
+  tuning: MlaDecodeTuning | None = None
 
   def __post_init__(self):
+    object.__setattr__(self, "scale", positive_float("scale", self.scale))
     object.__setattr__(self, "partial_dtype",
                        util.canonical_dtype("partial_dtype", self.partial_dtype, (jnp.float32, jnp.bfloat16)))
     object.__setattr__(self, "impl", util.canonical_impl(self.impl))
-    if self.num_splits is not None and (not isinstance(self.num_splits, int) or self.num_splits < 1):
-      raise ValueError(f"num_splits must be an int >= 1 or None, got {self.num_splits!r}")
+    if self.tuning is not None and not isinstance(self.tuning, MlaDecodeTuning):
+      raise ValueError(f"tuning must be an MlaDecodeTuning or None, got {self.tuning!r}")

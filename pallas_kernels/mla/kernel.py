@@ -1,32 +1,8 @@
 """Split-K absorbed MLA decode as a Pallas Mosaic GPU kernel (Hopper).
 
-One program per (64-row head tile ``hb``, split ``j``, sequence ``b``), grid ``(HB, S, B)`` with ``hb``
-fastest, so the programs that read the same KV tiles run side by side and the second read comes from L2.
-Three warpgroups: a memory warpgroup issues one TMA per 64-token page, ``kv_cache.at[block_table[b, p]]``
-(the whole ``[64, 576]`` bf16 tile, tiling ``(8, 64)`` + 128-byte swizzle), into a two-slot ring; two
-compute warpgroups share every tile, so each tile is read from HBM once for all heads of the tile.
-
-Per page, in f32 and the base-2 domain (online softmax):
-  * warpgroup 0 (the leader) computes ``S = q @ kv^T`` (``[64, 64]``, K = 576) once for all heads of the
-    tile, masks tokens past ``seq_len`` to ``-inf``, runs the online softmax (running max from ``-1e30``,
-    ``exp2``, row sums ``l``) and stores ``P`` (bf16) and the rescale ``alpha`` into SMEM;
-  * both compute warpgroups then do ``O_w = O_w * alpha + P @ V[:, 256w : 256w + 256]``: warpgroup ``w`` owns
-    half of the ``Dc = 512`` output columns (a ``[64, 256]`` f32 accumulator, 128 registers a thread), and V
-    is the first 512 columns of the same tile. Two barriers hand ``P`` over (ready / free); both compute
-    warpgroups release a ring slot (``consumed``) only when the memory warpgroup will load it again.
-QK runs once per page (not once per warpgroup), and a 32-token split of QK is not possible: the wgmma K of
-``P @ V`` must span a whole 128-byte swizzle (64 bf16 tokens), so ``P`` has to be one ``[64, 64]`` tile.
-Rows past ``seq_len`` in the last page are zeroed in SMEM before ``P @ V``: their ``P`` is 0, but the cache
-may hold NaN there and ``0 * NaN = NaN``. The partial ``acc / l`` is stored in ``partial_dtype`` with its
-LSE (natural log, f32); an empty split writes ``(0, -inf)``, and a NaN or inf in q or in a token's row
-gives NaN (non-finite inputs are never mistaken for an empty split). Only the real head rows (rounded up to
-8) are stored. The epilogue staging buffer is aliased onto the KV ring (``plgpu.RefUnion``): a ``[64, 512]`` f32
-staging tile does not fit beside it. SMEM: q 72 KiB + ring 144 KiB + P 8 KiB + row vectors, inside the
-227 KiB only with ``reduction_scratch_bytes=0`` (row reductions of the WGMMA layout stay inside a warp).
-
-``smem_operands=True`` is the interpret-mode variant (CPU): the same kernel, but ``P @ V`` goes into a fresh
-accumulator that is added in registers, because interpret mode cannot initialise an accumulator from
-registers (``plgpu.ACC.init``). On the GPU that variant would hold two ``[64, 256]`` f32 arrays per thread.
+One program per (64-row head tile, split, sequence); a memory warpgroup streams the sequence's pages by TMA
+into a two-slot ring that two compute warpgroups share (QK and the softmax on one, ``P @ V`` split by output
+columns over both). See README.md for the derivation, the NaN rules and the SMEM budget.
 """
 
 import functools
@@ -39,14 +15,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_interpret, util
-from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM
+from pallas_kernels.mla.config import HEAD_TILE, LATENT_DIM, PAGE_SIZE, ROPE_DIM
 from pallas_kernels.mla.reference import pages_per_split
 
-ROWS = 64  # query-head rows per program: one wgmma M tile
-PAGE = PAGE_SIZE
-LATENT = LATENT_DIM
 DIM = LATENT_DIM + ROPE_DIM
-COLS = LATENT // 2  # output columns per compute warpgroup
+COLS = LATENT_DIM // 2  # output columns per compute warpgroup
 STAGES = 2  # KV ring slots: a third [64, 576] tile would exceed the 227 KiB of SMEM
 COMPUTE_WGS = 2
 LOG2E = util.LOG2E
@@ -62,19 +35,19 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
   kv_smem, o_stage = ring
   seq_len = lens_ref[b]
   first_page = split * pps
-  num_pages = jnp.clip(pl.cdiv(seq_len, PAGE) - first_page, 0, pps)
-  row0 = pl.multiple_of(hb * ROWS, ROWS)
-  head_blocks = util.cdiv(out_rows, ROWS)
-  last_rows = out_rows - (head_blocks - 1) * ROWS
+  num_pages = jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps)
+  row0 = pl.multiple_of(hb * HEAD_TILE, HEAD_TILE)
+  head_blocks = util.cdiv(out_rows, HEAD_TILE)
+  last_rows = out_rows - (head_blocks - 1) * HEAD_TILE
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   along_rows = lambda x, shape: lax.broadcast_in_dim(x, shape, (0,))
 
   def zero_v_tail(tile, cols, page_start):
     """Zeroes this warpgroup's V columns of the rows past ``seq_len`` (last page only; NaN-safe ``P @ V``)."""
-    @pl.when(page_start + PAGE > seq_len)
+    @pl.when(page_start + PAGE_SIZE > seq_len)
     def _():
       v = tile.at[:, cols]
-      token = plgpu.broadcasted_iota(jnp.int32, (PAGE, COLS), 0, layout=plgpu.Layout.WGMMA)
+      token = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, COLS), 0, layout=plgpu.Layout.WGMMA)
       v[...] = jnp.where(token < seq_len - page_start,
                          plgpu.load(v, layout=plgpu.Layout.WGMMA, optimized=False), 0).astype(v.dtype)
 
@@ -88,7 +61,7 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
         return acc_ref[...]
 
     if smem_operands:
-      return acc + pl.run_scoped(pv, plgpu.ACC((ROWS, COLS), jnp.float32))
+      return acc + pl.run_scoped(pv, plgpu.ACC((HEAD_TILE, COLS), jnp.float32))
     return pl.run_state(pv)(plgpu.ACC.init(acc))
 
   def release(i, slot):
@@ -105,10 +78,10 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
 
   def store_rows(copy):
     """``copy(n)`` stores the first n rows of this head tile: only real heads (rounded up to 8) reach HBM."""
-    if last_rows == ROWS:
-      copy(ROWS)
+    if last_rows == HEAD_TILE:
+      copy(HEAD_TILE)
       return
-    pl.when(hb < head_blocks - 1)(lambda: copy(ROWS))
+    pl.when(hb < head_blocks - 1)(lambda: copy(HEAD_TILE))
     pl.when(hb == head_blocks - 1)(lambda: copy(last_rows))
 
   def epilogue(w, acc, inv_l):
@@ -128,15 +101,15 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
       acc, m, l = carry
       slot = lax.rem(i, STAGES)
       tile = kv_smem.at[slot]
-      page_start = (first_page + i) * PAGE
+      page_start = (first_page + i) * PAGE_SIZE
       plgpu.barrier_wait(kv_bar.at[slot])
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, tile.T)
         return acc_ref[...]
 
-      s = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE), jnp.float32)) * (scale * LOG2E)
-      token = plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE), 1, layout=plgpu.Layout.WGMMA)
+      s = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, PAGE_SIZE), jnp.float32)) * (scale * LOG2E)
+      token = plgpu.broadcasted_iota(jnp.int32, (HEAD_TILE, PAGE_SIZE), 1, layout=plgpu.Layout.WGMMA)
       s = jnp.where(token < seq_len - page_start, s, -jnp.inf)
       m_new = jnp.maximum(m, s.max(axis=1))
       alpha = jnp.exp2(m - m_new)
@@ -156,9 +129,9 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
       release(i, slot)
       return acc, m_new, l
 
-    acc = plgpu.layout_cast(jnp.zeros((ROWS, COLS), jnp.float32), plgpu.Layout.WGMMA)
-    m = plgpu.layout_cast(jnp.full((ROWS,), INIT_MAX, jnp.float32), row_layout)
-    l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)
+    acc = plgpu.layout_cast(jnp.zeros((HEAD_TILE, COLS), jnp.float32), plgpu.Layout.WGMMA)
+    m = plgpu.layout_cast(jnp.full((HEAD_TILE,), INIT_MAX, jnp.float32), row_layout)
+    l = plgpu.layout_cast(jnp.zeros((HEAD_TILE,), jnp.float32), row_layout)
     acc, m, l = lax.fori_loop(0, num_pages, page_step, (acc, m, l))
 
     @pl.when(num_pages > 0)
@@ -189,7 +162,7 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
       slot = lax.rem(i, STAGES)
       tile = kv_smem.at[slot]
       plgpu.barrier_wait(kv_bar.at[slot])
-      zero_v_tail(tile, cols, (first_page + i) * PAGE)
+      zero_v_tail(tile, cols, (first_page + i) * PAGE_SIZE)
       plgpu.commit_smem()
       plgpu.barrier_wait(p_ready_bar)
       acc = accumulate(acc, plgpu.load(row_smem, layout=row_layout), tile, cols)
@@ -197,7 +170,7 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
       release(i, slot)
       return acc
 
-    acc = plgpu.layout_cast(jnp.zeros((ROWS, COLS), jnp.float32), plgpu.Layout.WGMMA)
+    acc = plgpu.layout_cast(jnp.zeros((HEAD_TILE, COLS), jnp.float32), plgpu.Layout.WGMMA)
     acc = lax.fori_loop(0, num_pages, page_step, acc)
     plgpu.barrier_wait(p_ready_bar)  # the leader's 1 / l, and the leader is done with the ring
     epilogue(1, acc, plgpu.load(row_smem, layout=row_layout))
@@ -210,7 +183,7 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
   def _memory():
     if not smem_operands:
       plgpu.set_max_registers(40, action="decrease")
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS)], q_smem, q_bar)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, HEAD_TILE)], q_smem, q_bar)
 
     @pl.loop(0, num_pages)
     def _(i):
@@ -227,27 +200,28 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
 def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, partial_dtype, interpret,
               smem_operands):
   batch, num_heads, dim = q_abs.shape
-  head_blocks = util.cdiv(num_heads, ROWS)
+  head_blocks = util.cdiv(num_heads, HEAD_TILE)
   out_rows = util.cdiv(num_heads, 8) * 8  # TMA stores whole 8-row groups of the tiled staging buffer
-  q_pad = jnp.pad(q_abs, ((0, 0), (0, head_blocks * ROWS - num_heads), (0, 0)))
+  q_pad = jnp.pad(q_abs, ((0, 0), (0, head_blocks * HEAD_TILE - num_heads), (0, 0)))
   ring = plgpu.RefUnion(
-      plgpu.SMEM((STAGES, PAGE, DIM), kv_cache.dtype, transforms=util.smem_transforms(kv_cache.dtype, DIM)),
-      plgpu.SMEM((COMPUTE_WGS, ROWS, COLS), partial_dtype, transforms=util.smem_transforms(partial_dtype, COLS)))
+      plgpu.SMEM((STAGES, PAGE_SIZE, DIM), kv_cache.dtype, transforms=util.smem_transforms(kv_cache.dtype, DIM)),
+      plgpu.SMEM((COMPUTE_WGS, HEAD_TILE, COLS), partial_dtype, transforms=util.smem_transforms(partial_dtype, COLS)))
   kernel = plgpu.kernel(
       functools.partial(_body, pps=pages_per_split(block_table.shape[1], num_splits), out_rows=out_rows,
                         scale=scale, smem_operands=smem_operands),
-      out_type=(jax.ShapeDtypeStruct((num_splits, batch, out_rows, LATENT), partial_dtype),
+      out_type=(jax.ShapeDtypeStruct((num_splits, batch, out_rows, LATENT_DIM), partial_dtype),
                 jax.ShapeDtypeStruct((num_splits, batch, out_rows), jnp.float32)),
       grid=(head_blocks, num_splits, batch),
       grid_names=("hb", "split", "b"),
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
       scratch_types=(
-          plgpu.SMEM((ROWS, dim), q_abs.dtype, transforms=util.smem_transforms(q_abs.dtype, dim)),
+          plgpu.SMEM((HEAD_TILE, dim), q_abs.dtype, transforms=util.smem_transforms(q_abs.dtype, dim)),
           ring,
-          plgpu.SMEM((ROWS, PAGE), kv_cache.dtype, transforms=util.smem_transforms(kv_cache.dtype, PAGE)),
-          plgpu.SMEM((ROWS,), jnp.float32),
-          plgpu.SMEM((ROWS,), jnp.float32),
+          plgpu.SMEM((HEAD_TILE, PAGE_SIZE), kv_cache.dtype,
+                     transforms=util.smem_transforms(kv_cache.dtype, PAGE_SIZE)),
+          plgpu.SMEM((HEAD_TILE,), jnp.float32),
+          plgpu.SMEM((HEAD_TILE,), jnp.float32),
           plgpu.Barrier(),
           plgpu.Barrier(num_barriers=STAGES),
           plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES),
@@ -273,7 +247,7 @@ def mla_decode_partials_mosaic(q_abs: jax.Array, kv_cache: jax.Array, block_tabl
       Already validated by ``mla_decode``.
     scale: softmax scale. num_splits: splits S (each ``pages_per_split`` pages). partial_dtype: bf16/f32.
     interpret: run in Mosaic GPU interpret mode (CPU).
-    smem_operands: the interpret-safe variant (see the module docstring); None = ``interpret``.
+    smem_operands: the interpret-safe variant (see README.md); None = ``interpret``.
 
   Returns:
     ``o_parts [S, B, Hq, 512]`` in ``partial_dtype`` (normalised) and ``lse_parts [S, B, Hq]`` f32 natural

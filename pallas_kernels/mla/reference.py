@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import util
+from pallas_kernels.mla.config import LATENT_DIM
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -114,7 +115,7 @@ def _attend(q_abs: jax.Array, kv: jax.Array, valid: jax.Array, *, scale: float,
 
 
 def mla_decode_reference(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, seq_lens: jax.Array, *,
-                         scale: float, latent_dim: int = 512) -> tuple[jax.Array, jax.Array]:
+                         scale: float, latent_dim: int = LATENT_DIM) -> tuple[jax.Array, jax.Array]:
   """Unsplit absorbed MLA decode: gather every page of each sequence and attend in f32.
 
   Args:
@@ -148,7 +149,7 @@ def pages_per_split(max_pages: int, num_splits: int) -> int:
 def mla_decode_partials_reference(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array,
                                   seq_lens: jax.Array, *, scale: float, num_splits: int,
                                   partial_dtype: jnp.dtype,
-                                  latent_dim: int = 512) -> tuple[jax.Array, jax.Array]:
+                                  latent_dim: int = LATENT_DIM) -> tuple[jax.Array, jax.Array]:
   """Split-K partials: each split of ``pages_per_split`` pages attends on its own, in f32.
 
   Inputs are those of ``mla_decode_reference`` (validated by the caller). Splits wholly past a sequence's

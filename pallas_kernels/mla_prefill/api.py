@@ -14,9 +14,15 @@ import jax.numpy as jnp
 
 from pallas_kernels import util
 from pallas_kernels.mla_prefill import reference
-from pallas_kernels.mla_prefill.config import MlaPrefillConfig
+from pallas_kernels.mla_prefill.config import MlaPrefillConfig, MlaPrefillTuning
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def default_tuning() -> MlaPrefillTuning:
+  """Blocks of 256 query by 512 key rows (a shorter batch is one block): the f32 score block ``[H, 256, 512]``
+  stays small next to the ``[T, H, D]`` inputs of a long prompt while each step multiplies whole tiles."""
+  return MlaPrefillTuning(block_q=256, block_k=512)
 
 
 def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
@@ -94,7 +100,7 @@ def mla_prefill_attention(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v:
     k_rope: ``[T, Dr]`` rope key shared by all heads (never broadcast to ``[T, H, Dr]``), q's dtype.
     v: ``[T, H, Dv]`` values, q's dtype; Dv may differ from Dn + Dr.
     cu_seqlens: ``[N + 1]`` int32, non-decreasing from 0 to T (empty sequences allowed).
-    config: ``MlaPrefillConfig`` (scale, impl, block sizes).
+    config: ``MlaPrefillConfig`` (scale, impl, tuning: the block sizes).
 
   Returns:
     ``o [T, H, Dv]`` in q's dtype and ``lse [T, H]`` f32 natural log of the softmax denominator. A NaN or inf
@@ -114,5 +120,6 @@ def mla_prefill_attention(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v:
   if t == 0:
     return jnp.zeros((0, h, v.shape[-1]), q.dtype), jnp.zeros((0, h), jnp.float32)
   scale = reference.default_scale(q) if config.scale is None else config.scale
-  return _blockwise(q, k_nope, k_rope, v, cu_seqlens, scale=scale, block_q=config.block_q,
-                    block_k=config.block_k)
+  tuning, default = config.tuning or MlaPrefillTuning(), default_tuning()
+  return _blockwise(q, k_nope, k_rope, v, cu_seqlens, scale=scale, block_q=tuning.block_q or default.block_q,
+                    block_k=tuning.block_k or default.block_k)

@@ -1,9 +1,30 @@
-"""Static configuration of the MLA prefill attention."""
+"""Static configuration of the MLA prefill attention: ``MlaPrefillConfig`` and its ``MlaPrefillTuning``."""
 
 import dataclasses
-import math
 
 from pallas_kernels import util
+from pallas_kernels.mla.config import positive_float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MlaPrefillTuning:
+  """Block sizes of the blockwise "xla" path; every choice gives the same result up to f32 summation order.
+  None means ``mla_prefill.api.default_tuning``'s value.
+
+  Attributes:
+    block_q: query rows per block.
+    block_k: key rows per block. The working set per step is the f32 score block ``[H, block_q, block_k]``
+      plus one key block, so memory is O(T * H * D + H * block_q * block_k), never ``[T, T]``.
+  """
+
+  block_q: int | None = None
+  block_k: int | None = None
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k"):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -16,28 +37,16 @@ class MlaPrefillConfig:
     impl: "xla" (blockwise flash-style pure JAX), "pallas" or "interpret" (the Mosaic GPU kernel, not written
       yet: both raise ``NotImplementedError``). Default "xla" everywhere until the kernel exists (the other
       ops default to "pallas" on a Hopper GPU; this one would then raise by default).
-    block_q: query rows per block of the blockwise "xla" path (tuning only).
-    block_k: key rows per block of the blockwise "xla" path (tuning only). Its working set per step is the
-      f32 score block ``[H, block_q, block_k]`` plus one key block, so memory is O(T * H * D + H * block_q *
-      block_k), never ``[T, T]``.
+    tuning: ``MlaPrefillTuning``, or None for ``default_tuning`` in every field.
   """
 
   scale: float | None = None
   impl: str = "xla"
-  block_q: int = 256
-  block_k: int = 512
+  tuning: MlaPrefillTuning | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "impl", util.canonical_impl(self.impl))
     if self.scale is not None:
-      try:
-        scale = float(self.scale)
-      except (TypeError, ValueError):
-        raise ValueError(f"scale must be a float or None, got {self.scale!r}") from None
-      if not (math.isfinite(scale) and scale > 0.0):
-        raise ValueError(f"scale must be a finite float > 0 or None, got {self.scale}")
-      object.__setattr__(self, "scale", scale)
-    for name in ("block_q", "block_k"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+      object.__setattr__(self, "scale", positive_float("scale", self.scale))
+    if self.tuning is not None and not isinstance(self.tuning, MlaPrefillTuning):
+      raise ValueError(f"tuning must be an MlaPrefillTuning or None, got {self.tuning!r}")
