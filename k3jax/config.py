@@ -27,7 +27,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from pallas_kernels import KdaConfig, MlaDecodeConfig
+from pallas_kernels import KdaConfig, MlaDecodeConfig, ShortConvConfig
 from pallas_kernels import util
 from pallas_kernels.mla import config as mla_config
 from pallas_kernels.mla.config import LATENT_DIM, ROPE_DIM
@@ -219,7 +219,11 @@ class K3Config:
     return KdaConfig(lower_bound=self.gate_lower_bound, state_dtype=self.state_dtype, impl=self.impl)
 
   def mla_op_config(self) -> MlaDecodeConfig:
-    return MlaDecodeConfig(partial_dtype=self.partial_dtype, impl=self.impl)
+    return MlaDecodeConfig(scale=self.mla_scale, partial_dtype=self.partial_dtype, impl=self.impl)
+
+  def short_conv_op_config(self) -> ShortConvConfig:
+    """Kimi-Linear's q/k/v convolutions: SiLU after the convolution."""
+    return ShortConvConfig(activation="silu", impl=self.impl)
 
   def replace(self, **changes) -> K3Config:
     return dataclasses.replace(self, **changes)

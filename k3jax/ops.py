@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from k3jax import dcp, sharding
 from pallas_kernels.kda import api as kda_ops
-from pallas_kernels.kda import short_conv
+from pallas_kernels.short_conv import api as short_conv_ops
 from pallas_kernels.mla import MlaDecodeConfig, mla_decode
 
 
@@ -69,29 +69,28 @@ def mesh_kda_decode(q, k, v, g_raw, beta_raw, *, A_log, dt_bias, state_pool, sta
 
 
 def mesh_short_conv_prefill(x, weight, *, cu_seqlens, conv_pool, state_indices, has_initial_state,
-                       checkpoint_indptr=None, checkpoint_offsets=None, checkpoint_slots=None, activation="silu",
-                       impl=None):
-  """``short_conv.short_conv_prefill`` split over the (head-major) channels on the ambient mesh."""
+                       checkpoint_indptr=None, checkpoint_offsets=None, checkpoint_slots=None, config=None):
+  """``pallas_kernels.short_conv_prefill`` split over the (head-major) channels on the ambient mesh."""
   channels = _split_at(x, -1)
-  return _per_device(short_conv.short_conv_prefill, dict(
+  return _per_device(short_conv_ops.short_conv_prefill, dict(
       x=(x, channels), weight=(weight, ("kda_heads", None)), cu_seqlens=(cu_seqlens, None),
       conv_pool=(conv_pool, sharding.CONV_POOL_NAMES), state_indices=(state_indices, None),
       has_initial_state=(has_initial_state, None), checkpoint_indptr=(checkpoint_indptr, None),
       checkpoint_offsets=(checkpoint_offsets, None), checkpoint_slots=(checkpoint_slots, None)),
-      (channels, sharding.CONV_POOL_NAMES), activation=activation, impl=impl)
+      (channels, sharding.CONV_POOL_NAMES), config=config)
 
 
-def mesh_short_conv_update(x, weight, *, conv_pool, state_indices, num_accepted=None, activation="silu", impl=None):
-  """``short_conv.short_conv_update`` split over the (head-major) channels on the ambient mesh."""
+def mesh_short_conv_update(x, weight, *, conv_pool, state_indices, num_accepted=None, config=None):
+  """``pallas_kernels.short_conv_update`` split over the (head-major) channels on the ambient mesh."""
   channels = _split_at(x, -1)
-  return _per_device(short_conv.short_conv_update, dict(
+  return _per_device(short_conv_ops.short_conv_update, dict(
       x=(x, channels), weight=(weight, ("kda_heads", None)), conv_pool=(conv_pool, sharding.CONV_POOL_NAMES),
       state_indices=(state_indices, None), num_accepted=(num_accepted, None)),
-      (channels, sharding.CONV_POOL_NAMES), activation=activation, impl=impl)
+      (channels, sharding.CONV_POOL_NAMES), config=config)
 
 
 def mesh_mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, seq_lens: jax.Array, *,
-               scale: float, config: MlaDecodeConfig | None = None) -> tuple[jax.Array, jax.Array]:
+                    config: MlaDecodeConfig) -> tuple[jax.Array, jax.Array]:
   """``pallas_kernels.mla_decode`` on the ambient mesh (``jax.set_mesh``): the DCP decode (``k3jax.dcp``).
 
   Without a mesh of more than one device it is ``pallas_kernels.mla_decode`` itself (the DCP layout of one
@@ -99,8 +98,8 @@ def mesh_mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Arra
   """
   mesh = sharding.ambient_mesh()
   if mesh is None:
-    return mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=scale, config=config)
-  return dcp.dcp_mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=scale, mesh=mesh, config=config)
+    return mla_decode(q_abs, kv_cache, block_table, seq_lens, config=config)
+  return dcp.dcp_mla_decode(q_abs, kv_cache, block_table, seq_lens, mesh=mesh, config=config)
 
 
 def mesh_write_rows(kv_cache: jax.Array, rows: jax.Array, block_table: jax.Array, seq: jax.Array,
