@@ -10,8 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pallas_kernels import MlaPrefillConfig, mla_prefill_attention
+from pallas_kernels import MlaPrefillConfig, MlaPrefillTuning, mla_prefill_attention
+from pallas_kernels.mla_prefill import default_tuning
 from pallas_kernels.mla_prefill.reference import mla_prefill_reference
+from pallas_kernels.testing import mla_prefill_oracle
 from support import budget
 
 DN, DR, DV = 8, 4, 6  # small dims; Dv differs from Dn + Dr on purpose
@@ -24,24 +26,6 @@ BF16_RTOL = 2.0 ** -8
 PATH_ATOL = 1e-5
 
 
-def oracle(q, k_nope, k_rope, v, cu, scale):
-  """float64 causal attention per sequence; returns ``(o [T, H, Dv], lse [T, H])``."""
-  q, k_nope, k_rope, v = (np.asarray(x, np.float64) for x in (q, k_nope, k_rope, v))
-  t, h, _ = q.shape
-  o, lse = np.zeros((t, h, v.shape[-1])), np.zeros((t, h))
-  for a, b in zip(cu[:-1], cu[1:]):
-    if a == b:
-      continue
-    k = np.concatenate([k_nope[a:b], np.broadcast_to(k_rope[a:b, None], (b - a, h, DR))], axis=-1)
-    s = np.einsum("qhd,khd->hqk", q[a:b], k) * scale
-    s = np.where(np.tril(np.ones((b - a, b - a), bool))[None], s, -np.inf)
-    m = s.max(-1, keepdims=True)
-    p = np.exp(s - m)
-    o[a:b] = np.einsum("hqk,khv->qhv", p / p.sum(-1, keepdims=True), v[a:b])
-    lse[a:b] = (m[..., 0] + np.log(p.sum(-1))).T
-  return o, lse
-
-
 def make_inputs(lens, num_heads, dtype=jnp.float32, seed=0, q_std=1.0):
   rng = np.random.default_rng(seed)
   t = int(sum(lens))
@@ -50,15 +34,16 @@ def make_inputs(lens, num_heads, dtype=jnp.float32, seed=0, q_std=1.0):
   return (x(t, num_heads, DN + DR, std=q_std), x(t, num_heads, DN), x(t, DR), x(t, num_heads, DV)), cu
 
 
-def _xla(**kw):
-  return MlaPrefillConfig(impl="xla", **{"block_q": BLOCK, "block_k": BLOCK, **kw})
+def _xla(scale=None, **blocks):
+  return MlaPrefillConfig(scale=scale, impl="xla", tuning=MlaPrefillTuning(**{"block_q": BLOCK, "block_k": BLOCK,
+                                                                              **blocks}))
 
 
 def _check_against_oracle(o, lse, args, cu, scale):
   q = args[0]
   assert o.shape == q.shape[:2] + (DV,) and o.dtype == q.dtype
   assert lse.shape == q.shape[:2] and lse.dtype == jnp.float32
-  o_ref, lse_ref = oracle(*args, np.asarray(cu), scale)
+  o_ref, lse_ref = mla_prefill_oracle(*args, cu, scale)
   o64 = np.asarray(o, np.float64)
   if q.dtype == jnp.bfloat16:
     np.testing.assert_array_less(np.abs(o64 - o_ref), BF16_RTOL * np.abs(o_ref) + F32_ATOL)
@@ -98,6 +83,23 @@ def test_block_sizes_do_not_change_the_result(block_q, block_k):
   args, cu = make_inputs(LENS["packed"], 2, seed=3)
   o, lse = mla_prefill_attention(*args, cu_seqlens=cu, config=_xla(block_q=block_q, block_k=block_k, scale=0.5))
   _check_against_oracle(o, lse, args, cu, 0.5)
+
+
+def test_tuning_fields_left_none_take_the_default_tuning():
+  # A None field is default_tuning's block size: the same static blocks, hence the same computation (bitwise);
+  # an explicit block reaches the blockwise loop (here 3-row key blocks: f32 sums in another order).
+  args, cu = make_inputs([300, 5, 400], 2, seed=6)
+  assert default_tuning() == MlaPrefillTuning(block_q=256, block_k=512)
+  run = lambda tuning: mla_prefill_attention(*args, cu_seqlens=cu, config=MlaPrefillConfig(impl="xla", tuning=tuning))
+  o_default, lse_default = run(None)
+  for same in (MlaPrefillTuning(), MlaPrefillTuning(block_q=256), default_tuning()):
+    o, lse = run(same)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_default))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_default))
+  o_small, lse_small = run(MlaPrefillTuning(block_k=3))
+  assert not np.array_equal(np.asarray(o_small), np.asarray(o_default))
+  _check_against_oracle(o_small, lse_small, args, cu, (DN + DR) ** -0.5)
+  _check_against_oracle(o_default, lse_default, args, cu, (DN + DR) ** -0.5)
 
 
 def test_empty_batch():
@@ -171,8 +173,12 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match=msg):
       mla_prefill_attention(q, kn, kr, v, cu_seqlens=bad_cu, config=_xla())
   for kw, msg in [(dict(block_q=0), "block_q must be an int >= 1"), (dict(block_k=2.0), "block_k must be an int"),
-                  (dict(scale=-1.0), "scale must be a finite float > 0"), (dict(scale="x"), "scale must be a float"),
-                  (dict(impl="cuda"), "impl must be one of")]:
+                  (dict(block_q=True), "block_q must be an int")]:
+    with pytest.raises(ValueError, match=msg):
+      MlaPrefillTuning(**kw)
+  for kw, msg in [(dict(scale=-1.0), "scale must be a finite float > 0"),
+                  (dict(scale="x"), "scale must be a finite float"), (dict(impl="cuda"), "impl must be one of"),
+                  (dict(tuning=dict(block_q=4)), "tuning must be an MlaPrefillTuning or None")]:
     with pytest.raises(ValueError, match=msg):
       MlaPrefillConfig(**kw)
   for impl in ("pallas", "interpret"):
@@ -186,7 +192,7 @@ def test_long_prompt_lowers_without_a_t_by_t_array():
   t, h = 32768, 11
   spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   args = (spec(t, h, 192), spec(t, h, 128), spec(t, 64), spec(t, h, 128), jax.ShapeDtypeStruct((5,), jnp.int32))
-  config = MlaPrefillConfig(impl="xla", block_q=256, block_k=512)
+  config = MlaPrefillConfig(impl="xla", tuning=MlaPrefillTuning(block_q=256, block_k=512))
   fn = lambda q, k_nope, k_rope, v, cu: mla_prefill_attention(q, k_nope, k_rope, v, cu_seqlens=cu, config=config)
   compiled = jax.jit(fn).lower(*args).compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
@@ -213,7 +219,7 @@ def test_layer_chunked_prefill_matches_oracle(monkeypatch, prefix_rows):
   of ``prefix_rows`` query rows (3: several blocks and a padded last one; 1000: one call) equal the
   non-absorbed float64 oracle over the whole sequences."""
   from flax import nnx
-  from test_layers import np_mla, npf, rand_x, run_module, tiny
+  from layer_oracles import np_mla, npf, rand_x, run_module, tiny
 
   import k3jax.layers.mla as mla_layer
   from k3jax.cache import init_cache

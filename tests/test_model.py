@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from layer_oracles import F32, assert_close, np_attn_res, np_kda, np_mla, np_mlp, np_moe, np_rms, npf, tiny
 from support import fast_jit
-from test_layers import (F32, assert_close, np_attn_res, np_kda, np_mla, np_mlp, np_moe, np_rms,
-                         npf, tiny)
 
 import k3jax
 from k3jax import config as cfg_lib
