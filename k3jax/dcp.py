@@ -1,8 +1,24 @@
 """Decode context parallelism (DCP) for MLA: the latent cache split along tokens over the model axis.
 
-Token ``t`` of a sequence lives on device ``t mod N`` at local position ``t // N``, every device reads it
-through one shared block table of local page ids, and only the absorbed queries and the ``(o, lse)`` partials
-cross devices. The layout and the decode are described in ``pallas_kernels/mla/README.md``.
+Layout (interleave 1: vLLM's default, sglang's "rank r owns position p when p mod N = r"):
+
+- Token ``t`` of a sequence lives on device ``t mod N`` at local position ``c = t // N``.
+- Each device owns a local page pool. The global cache ``[N * P, 64, Dc + Dr]`` is split along pages
+  (logical name ``"kv_tokens"``): device ``d`` holds global pages ``[d P, (d + 1) P)`` as its local pages
+  ``0 .. P - 1``.
+- One block table ``[B, max_pages]`` of local page ids serves every device (as in vLLM): local position
+  ``c`` of sequence ``b`` is row ``c % 64`` of local page ``block_table[b, c // 64]`` on its owner. The
+  local lengths of a sequence differ by at most one token between devices, so one allocator for all
+  devices wastes at most one page per sequence and device, and block tables are never exchanged.
+- A sequence of global length ``L`` holds ``L_d = (L - d + N - 1) // N`` tokens on device ``d`` (0 when
+  ``L <= d``: an empty local shard, whose partial is the identity ``(0, -inf)``).
+
+With ``N = 1`` this is exactly the single-device paged layout of ``pallas_kernels.mla``.
+
+Decode: the head-sharded absorbed queries are all-gathered over heads,
+every device attends with all heads over its local tokens, the ``(o, lse)`` partials go back to the
+devices owning the heads in one all-to-all (``o`` in ``partial_dtype``, the f32 LSE bit-packed into the
+same buffer), and ``merge_partials`` combines them in f32. The latent cache never moves.
 """
 
 import functools
@@ -82,7 +98,7 @@ def _decode_local(q, kv, block_table, seq_lens, *, config):
 
 def dcp_mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, seq_lens: jax.Array, *,
                    mesh: jax.sharding.Mesh, config: MlaDecodeConfig) -> tuple[jax.Array, jax.Array]:
-  """Absorbed MLA decode over a DCP latent cache (layout in ``pallas_kernels/mla/README.md``).
+  """Absorbed MLA decode over a DCP latent cache (layout in the module docstring).
 
   Args:
     q_abs: ``[B, Hq, Dc + Dr]`` absorbed queries, split over heads (``Hq`` a multiple of the mesh size;
