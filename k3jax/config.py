@@ -16,6 +16,14 @@ attn_res_block_size         None                            12 (block attention 
 
 ``from_hf`` reads an HF ``config.json`` (the flat Kimi-Linear form or the K3 form with ``text_config``);
 ``kda_layers`` / ``full_attn_layers`` there are 1-indexed. ``layer_types`` here is 0-indexed.
+
+A ``config.json`` saved by ``transformers`` (5.x, its native ``KimiLinearConfig``) also holds the keys that
+class derives from the primary ones (``TRANSFORMERS_KEYS``): ``layer_types`` ("full_attention" /
+"linear_attention", 0-indexed, from ``linear_attn_config``), ``mlp_layer_types`` ("dense" / "sparse", from
+``first_k_dense_replace``), ``linear_num_heads`` / ``linear_head_dim`` / ``linear_conv_kernel_dim`` (from
+``linear_attn_config``), ``qk_head_dim`` (``qk_nope_head_dim + qk_rope_head_dim``), and the flags
+``attention_bias``, ``pretraining_tp`` and ``output_router_logits``. ``from_hf`` checks each against what the
+primary keys give.
 """
 
 from __future__ import annotations
@@ -35,6 +43,9 @@ from pallas_kernels.mla.config import LATENT_DIM, ROPE_DIM
 PAGE_SIZE = mla_config.PAGE_SIZE  # tokens per page of the MLA latent cache (the MLA ops')
 KDA = "kda"
 MLA = "mla"
+# How transformers' KimiLinearConfig spells the layer kinds in ``layer_types`` and ``mlp_layer_types``.
+TRANSFORMERS_LAYER_TYPES = {KDA: "linear_attention", MLA: "full_attention"}
+TRANSFORMERS_DENSE, TRANSFORMERS_MOE = "dense", "sparse"
 
 _FLOAT = (jnp.float32, jnp.bfloat16)
 
@@ -240,9 +251,10 @@ class K3Config:
         ``partial_dtype``, ``cache_dtype``, ``conv_dtype``, ``impl``).
 
     Raises:
-      ValueError: unknown keys, missing keys, or contradictory values.
+      ValueError: unknown keys, missing keys, or contradictory values (a ``TRANSFORMERS_KEYS`` key that
+        contradicts the primary keys it derives from: the message names both and their values).
       NotImplementedError: valid HF settings this model does not implement (RoPE, grouped top-k, MTP, an MLA
-        latent other than 512 + 64).
+        latent other than 512 + 64, ``attention_bias`` true, ``pretraining_tp`` other than 1).
     """
     if isinstance(source, dict):
       raw = source
@@ -272,7 +284,9 @@ class K3Config:
       text, where = raw, "config.json"
     else:
       raise ValueError(f"config.json model_type must be 'kimi_linear' or 'kimi_k3', got {model_type!r}")
-    return cls(**_parse_text_config(text, where), **runtime)
+    cfg = cls(**_parse_text_config(text, where), **runtime)
+    _check_transformers_keys(text, where, cfg)
+    return cfg
 
   def to_hf(self, fmt: str = "kimi_linear") -> dict:
     """The HF ``config.json`` dict of this architecture (``fmt``: "kimi_linear" flat or "kimi_k3" nested)."""
@@ -317,6 +331,21 @@ class K3Config:
     return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text,
             "tie_word_embeddings": self.tie_word_embeddings}
 
+  def transformers_keys(self) -> dict:
+    """The ``TRANSFORMERS_KEYS`` that ``transformers`` writes into a ``config.json`` of this architecture it saves.
+
+    ``to_hf`` leaves them out (the published checkpoints lack them); ``from_hf`` checks them against these values.
+    """
+    return {
+        "layer_types": [TRANSFORMERS_LAYER_TYPES[t] for t in self.layer_types],
+        "mlp_layer_types": [TRANSFORMERS_MOE if self.is_moe(i) else TRANSFORMERS_DENSE
+                            for i in range(self.num_hidden_layers)],
+        "linear_num_heads": self.kda_num_heads, "linear_head_dim": self.kda_head_dim,
+        "linear_conv_kernel_dim": self.short_conv_kernel_size,
+        "qk_head_dim": self.qk_nope_head_dim + self.qk_rope_head_dim,
+        "attention_bias": False, "pretraining_tp": 1, "output_router_logits": False,
+    }
+
 
 # Fields that choose storage dtypes and the kernel backend, not the architecture (from_hf keywords).
 RUNTIME_FIELDS = ("dtype", "param_dtype", "state_dtype", "partial_dtype", "cache_dtype", "conv_dtype", "impl")
@@ -328,7 +357,15 @@ _INFO_KEYS = frozenset({
     "max_position_embeddings", "rope_theta", "head_dim", "quantization_config", "attention_dropout",
     "use_grouped_topk",
 })
-_TEXT_KEYS = _INFO_KEYS | frozenset({
+
+# Keys that transformers' KimiLinearConfig (5.x) writes into every config.json it saves: all but the last three
+# derive from primary keys and are checked against them; ``attention_bias`` and ``pretraining_tp`` are checked for
+# the values k3jax runs, and ``output_router_logits`` only makes transformers return the router logits (the
+# auxiliary loss of training), so either value gives the same model.
+TRANSFORMERS_KEYS = ("layer_types", "mlp_layer_types", "linear_num_heads", "linear_head_dim",
+                     "linear_conv_kernel_dim", "qk_head_dim", "attention_bias", "pretraining_tp",
+                     "output_router_logits")
+_TEXT_KEYS = _INFO_KEYS | frozenset(TRANSFORMERS_KEYS) | frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "hidden_act", "activation_situ_beta", "activation_situ_linear_beta", "rms_norm_eps",
     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_nope",
@@ -404,6 +441,18 @@ def _parse_text_config(t: dict, where: str) -> dict:
       raise NotImplementedError(f"{where}: {key} must be 1 (grouped top-k is not implemented), got {t[key]}")
   if t.get("moe_layer_freq", 1) != 1:
     raise NotImplementedError(f"{where}: moe_layer_freq must be 1, got {t['moe_layer_freq']}")
+  for key in ("attention_bias", "output_router_logits"):
+    if not isinstance(t.get(key, False), bool):
+      raise ValueError(f"{where}: {key} must be true or false, got {t[key]!r}")
+  if t.get("attention_bias", False):
+    raise NotImplementedError(f"{where}: attention_bias must be false (the MLA projections have no biases), "
+                              f"got true")
+  tp = t.get("pretraining_tp")  # transformers' type is int | None; its KimiLinear model never reads it
+  if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int)):
+    raise ValueError(f"{where}: pretraining_tp must be an int or null, got {tp!r}")
+  if tp not in (None, 1):
+    raise NotImplementedError(f"{where}: pretraining_tp must be 1 or null (k3jax does not split the "
+                              f"projections into pretraining_tp slices), got {tp}")
   if t.get("latent_moe_use_norm") and t.get("routed_expert_hidden_size") is None:
     raise ValueError(f"{where}: latent_moe_use_norm=true needs routed_expert_hidden_size")
   num_layers = _require(where, t, "num_hidden_layers")
@@ -434,6 +483,37 @@ def _parse_text_config(t: dict, where: str) -> dict:
       tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
   )
   return out
+
+
+def _check_transformers_keys(t: dict, where: str, cfg: K3Config) -> None:
+  """Each derived ``TRANSFORMERS_KEYS`` key of ``t`` must equal what the primary keys (read into ``cfg``) give.
+
+  Raises:
+    ValueError: a contradiction, naming the derived key, the primary keys and both values (for a per-layer
+      list, the first layer where they differ).
+  """
+  want = cfg.transformers_keys()
+  sources = {
+      "layer_types": f"linear_attn_config.kda_layers={list(cfg.kda_layers)} / "
+                     f"full_attn_layers={list(cfg.full_attn_layers)} (1-indexed)",
+      "mlp_layer_types": f"first_k_dense_replace={cfg.first_k_dense_replace}",
+      "linear_num_heads": f"linear_attn_config.num_heads={cfg.kda_num_heads}",
+      "linear_head_dim": f"linear_attn_config.head_dim={cfg.kda_head_dim}",
+      "linear_conv_kernel_dim": f"linear_attn_config.short_conv_kernel_size={cfg.short_conv_kernel_size}",
+      "qk_head_dim": f"qk_nope_head_dim={cfg.qk_nope_head_dim} + qk_rope_head_dim={cfg.qk_rope_head_dim}",
+  }
+  for key, source in sources.items():
+    got = t.get(key, want[key])
+    if got == want[key] and type(got) is type(want[key]):
+      continue
+    if isinstance(want[key], list) and isinstance(got, list):
+      if len(got) != len(want[key]):
+        raise ValueError(f"{where}: {key} has {len(got)} entries, contradicting num_hidden_layers="
+                         f"{cfg.num_hidden_layers} (one entry per layer)")
+      i = next(i for i, (a, b) in enumerate(zip(got, want[key])) if a != b)
+      raise ValueError(f"{where}: {key}[{i}]={got[i]!r} contradicts {source} (from which {key}[{i}]="
+                       f"{want[key][i]!r}; layers 0-indexed)")
+    raise ValueError(f"{where}: {key}={got!r} contradicts {source} (from which {key}={want[key]!r})")
 
 
 # ---------------------------------------------------------------------------- presets

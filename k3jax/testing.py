@@ -20,6 +20,9 @@ from k3jax import checkpoint as ck
 from k3jax.config import KDA, K3Config
 
 
+TRANSFORMERS_VERSION = "5.24.0"  # the release whose KimiLinearConfig the transformers naming follows
+
+
 def _mxfp4_draw(rng: np.random.Generator, shape: tuple[int, int], std: float) -> tuple[np.ndarray, np.ndarray]:
   """Random ``N(0, std)`` weights rounded to MXFP4: ``(codes [out, in] uint8, scales [out, in/32] uint8)``."""
   out, inp = shape
@@ -97,15 +100,19 @@ def _shard_groups(names: list[str], sizes: dict[str, int], num_shards: int) -> l
 
 
 def write_tiny_hf(path: str | os.PathLike, config: K3Config, seed: int, fmt: str = "kimi_linear",
-                  mxfp4: bool = False, *, num_shards: int = 3) -> str:
+                  mxfp4: bool = False, *, num_shards: int = 3, naming: str = "original") -> str:
   """Writes a random checkpoint of ``config`` with the real HF names, layouts and files.
 
   Files: ``config.json`` (``config.to_hf(fmt)``, plus ``quantization_config`` with ``mxfp4``),
   ``generation_config.json``, ``model.safetensors.index.json`` and ``num_shards`` shards
   ``model-0000i-of-0000n.safetensors``. Linear weights are ``N(0, 1/in)`` bf16 ``[out, in]``, norm weights
   ``1 + N(0, 0.05)`` bf16, ``A_log``/``dt_bias``/convs/correction bias f32. Routed expert weights are
-  drawn on the MXFP4 grid (when their input width is a multiple of 32) (e2m1 times a power of two per 32 inputs), so the bf16 (``mxfp4=False``) and
-  the MXFP4 checkpoint of one seed dequantize to identical weights. ``kimi_k3`` also writes vision tensors.
+  drawn on the MXFP4 grid (when their input width is a multiple of 32) (e2m1 times a power of two per 32
+  inputs), so the bf16 (``mxfp4=False``) and the MXFP4 checkpoint of one seed dequantize to identical weights.
+  ``kimi_k3`` also writes vision tensors.
+  ``naming="transformers"`` writes what ``transformers`` saves of a ``KimiLinear`` model: the dense MLPs as
+  ``block_sparse_moe.*`` and ``config.json`` with ``config.transformers_keys()`` and ``transformers_version``;
+  its weights are those of the original naming with the same seed.
 
   Args:
     path: output directory (created).
@@ -114,16 +121,19 @@ def write_tiny_hf(path: str | os.PathLike, config: K3Config, seed: int, fmt: str
     fmt: "kimi_linear" or "kimi_k3".
     mxfp4: routed experts as ``weight_packed`` + ``weight_scale``.
     num_shards: number of safetensors files (>= 2 unless the model has fewer tensors).
+    naming: "original" (the published checkpoints) or "transformers" (kimi_linear only).
 
   Returns:
     ``path`` as a string.
 
   Raises:
-    ValueError: a bad ``fmt`` or ``num_shards``; MXFP4 with an expert input width not a multiple of 32;
-      ``kimi_k3`` with more KDA heads than the head dim (its ``A_log`` is padded to the head dim).
+    ValueError: a bad ``fmt``, ``num_shards`` or ``naming`` (or "transformers" with ``kimi_k3``); MXFP4 with
+      an expert input width not a multiple of 32; ``kimi_k3`` with more KDA heads than the head dim (its
+      ``A_log`` is padded to the head dim).
   """
   if fmt not in ck.FORMATS:
     raise ValueError(f"fmt must be one of {ck.FORMATS}, got {fmt!r}")
+  rules = ck.hf_rules(config, fmt, naming)  # refuses a bad naming before anything is written
   if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
     raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
   if mxfp4:
@@ -140,7 +150,7 @@ def write_tiny_hf(path: str | os.PathLike, config: K3Config, seed: int, fmt: str
   rng = np.random.default_rng(seed)
   prefix = ck.K3_PREFIX if fmt == "kimi_k3" else ""
   tensors: dict[str, np.ndarray] = {}
-  for rule in ck.hf_rules(config, fmt):
+  for rule in rules:
     name = prefix + rule.hf
     if rule.num_experts:
       rows, cols = rule.hf_shape
@@ -162,6 +172,8 @@ def write_tiny_hf(path: str | os.PathLike, config: K3Config, seed: int, fmt: str
 
   hf_config = config.to_hf(fmt)
   hf_config["torch_dtype"] = "bfloat16"
+  if naming == "transformers":
+    hf_config.update(config.transformers_keys(), transformers_version=TRANSFORMERS_VERSION)
   if mxfp4:
     hf_config["quantization_config"] = mxfp4_quantization_config()
   if fmt == "kimi_k3":

@@ -148,6 +148,96 @@ def test_unsupported_hf_settings_raise_not_implemented(key, value):
     K3Config.from_hf(_mutate(_linear_json(), (key,), value), impl="xla")
 
 
+def _transformers_json() -> dict:
+  """The Kimi-Linear 48B config.json as transformers saves it: the primary keys plus the keys it derives."""
+  c = cfg_lib.preset("kimi_linear_48b")
+  return {**c.to_hf("kimi_linear"), **c.transformers_keys(), "transformers_version": "5.24.0", "head_dim": 64}
+
+
+def test_transformers_keys_are_accepted():
+  j = _transformers_json()
+  assert j["layer_types"][:4] == ["linear_attention"] * 3 + ["full_attention"]  # 0-indexed, transformers' spelling
+  assert j["mlp_layer_types"][:2] == ["dense", "sparse"] and j["qk_head_dim"] == 192
+  assert (j["linear_num_heads"], j["linear_head_dim"], j["linear_conv_kernel_dim"]) == (32, 128, 4)
+  want = cfg_lib.preset("kimi_linear_48b", impl="xla")
+  assert K3Config.from_hf(j, impl="xla") == want
+  # output_router_logits only asks transformers for the router logits: either value is the same model.
+  assert K3Config.from_hf({**j, "output_router_logits": True}, impl="xla") == want
+  assert K3Config.from_hf({**j, "pretraining_tp": None}, impl="xla") == want  # transformers allows null
+  k3 = cfg_lib.preset("kimi_k3", impl="xla")
+  nested = _k3_json()
+  nested["text_config"].update(k3.transformers_keys())
+  assert K3Config.from_hf(nested, impl="xla") == k3
+  assert not set(cfg_lib.TRANSFORMERS_KEYS) & set(want.to_hf("kimi_linear"))  # to_hf writes the published form
+
+
+_LAYERS = ("linear_attn_config.kda_layers=[1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26] "
+           "/ full_attn_layers=[4, 8, 12, 16, 20, 24, 27] (1-indexed)")
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("layer_types", ["linear_attention"] * 27,
+     f"layer_types[3]='linear_attention' contradicts {_LAYERS} (from which layer_types[3]='full_attention'"),
+    ("layer_types", ["linear_attention"] * 26,
+     "layer_types has 26 entries, contradicting num_hidden_layers=27 (one entry per layer)"),
+    ("layer_types", ["kda"] * 27, f"layer_types[0]='kda' contradicts {_LAYERS} (from which "
+                                  f"layer_types[0]='linear_attention'"),
+    ("layer_types", "linear_attention", "layer_types='linear_attention' contradicts linear_attn_config"),
+    ("mlp_layer_types", ["sparse"] * 27,
+     "mlp_layer_types[0]='sparse' contradicts first_k_dense_replace=1 (from which mlp_layer_types[0]='dense'"),
+    ("mlp_layer_types", ["dense"] * 2 + ["sparse"] * 25,
+     "mlp_layer_types[1]='dense' contradicts first_k_dense_replace=1 (from which mlp_layer_types[1]='sparse'"),
+    ("linear_num_heads", 16,
+     "linear_num_heads=16 contradicts linear_attn_config.num_heads=32 (from which linear_num_heads=32)"),
+    ("linear_head_dim", 64,
+     "linear_head_dim=64 contradicts linear_attn_config.head_dim=128 (from which linear_head_dim=128)"),
+    ("linear_conv_kernel_dim", 3, "linear_conv_kernel_dim=3 contradicts "
+                                  "linear_attn_config.short_conv_kernel_size=4 (from which linear_conv_kernel_dim=4)"),
+    ("qk_head_dim", 128, "qk_head_dim=128 contradicts qk_nope_head_dim=128 + qk_rope_head_dim=64 "
+                         "(from which qk_head_dim=192)"),
+    ("qk_head_dim", 192.0, "qk_head_dim=192.0 contradicts"),
+    ("attention_bias", 0, "attention_bias must be true or false, got 0"),
+    ("output_router_logits", "no", "output_router_logits must be true or false, got 'no'"),
+    ("pretraining_tp", 1.0, "pretraining_tp must be an int or null, got 1.0"),
+])
+def test_transformers_keys_contradicting_primary_keys_raise(key, value, message):
+  with pytest.raises(ValueError, match=re.escape(f"config.json: {message}")):
+    K3Config.from_hf({**_transformers_json(), key: value}, impl="xla")
+
+
+def test_transformers_keys_in_text_config_are_checked():
+  j = _k3_json()
+  j["text_config"]["linear_head_dim"] = 64
+  with pytest.raises(ValueError, match=re.escape("text_config: linear_head_dim=64 contradicts "
+                                                 "linear_attn_config.head_dim=128")):
+    K3Config.from_hf(j, impl="xla")
+
+
+def test_transformers_key_checked_against_a_defaulted_primary_key():
+  """A primary key left out takes k3jax's default (short_conv_kernel_size 4, first_k_dense_replace 0)."""
+  j = _transformers_json()
+  del j["linear_attn_config"]["short_conv_kernel_size"], j["first_k_dense_replace"]
+  with pytest.raises(ValueError, match=re.escape("mlp_layer_types[0]='dense' contradicts first_k_dense_replace=0")):
+    K3Config.from_hf(j, impl="xla")
+  j["mlp_layer_types"] = ["sparse"] * 27
+  assert K3Config.from_hf(j, impl="xla").first_k_dense_replace == 0
+  j["linear_conv_kernel_dim"] = 5
+  with pytest.raises(ValueError, match="linear_conv_kernel_dim=5 contradicts .*short_conv_kernel_size=4"):
+    K3Config.from_hf(j, impl="xla")
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("attention_bias", True, "attention_bias must be false (the MLA projections have no biases), got true"),
+    ("pretraining_tp", 2, "pretraining_tp must be 1 or null (k3jax does not split the projections into "
+     "pretraining_tp slices), got 2"),
+    ("pretraining_tp", 0, "pretraining_tp must be 1 or null (k3jax does not split the projections into "
+     "pretraining_tp slices), got 0"),
+])
+def test_transformers_settings_k3jax_does_not_run_raise(key, value, message):
+  with pytest.raises(NotImplementedError, match=re.escape(f"config.json: {message}")):
+    K3Config.from_hf({**_transformers_json(), key: value}, impl="xla")
+
+
 def test_k3_text_config_missing_raises():
   j = _k3_json()
   del j["text_config"]
