@@ -13,6 +13,12 @@ Formats (``model_type`` in ``config.json``):
   zero-padded to the head dim; the tail must be zero), vision tensors (``vision_tower.*``, ``mm_projector.*``,
   ``multi_modal_projector.*``) skipped by an explicit rule.
 
+Naming: a ``kimi_linear`` checkpoint saved by ``transformers`` (5.x, its native ``KimiLinear`` classes) names
+the dense MLP of the first ``first_k_dense_replace`` layers ``model.layers.{i}.block_sparse_moe.{gate,up,down}_proj``
+instead of ``model.layers.{i}.mlp.*`` (it renames ``block_sparse_moe`` to ``mlp`` on load and back on save, for
+every layer; the MoE layers' names come back unchanged). ``load_hf`` reads either naming (``NAMINGS``), one per
+checkpoint.
+
 Conversion: Linear ``[out, in]`` becomes ``[in, out]`` reshaped to the module's head-split kernel;
 ``kv_b_proj [H*(dn+dv), R]`` becomes ``W_UK [R, H, dn]`` and ``W_UV [R, H, dv]``; ``experts.{e}.w1/w3/w2``
 are stacked to ``[E, De, I]`` / ``[E, I, De]``; convs ``[P, 1, W]`` become ``[H, K, W]``; ``dt_bias [P]``
@@ -29,8 +35,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
-import time
 from collections.abc import Iterable
 
 import jax
@@ -40,12 +44,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from safetensors import SafetensorError, safe_open
 
-from k3jax import padding
+from k3jax import padding, progress as progress_lib
 from k3jax import sharding as sharding_lib
 from k3jax.config import KDA, K3Config, read_json
 from k3jax.model import KimiK3Model
 
 FORMATS = ("kimi_linear", "kimi_k3")
+NAMINGS = ("original", "transformers")  # the published names; the names transformers saves (kimi_linear only)
 K3_PREFIX = "language_model."
 VISION_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 INDEX_FILE = "model.safetensors.index.json"
@@ -138,9 +143,20 @@ class HfRule:
     return a[..., self.part]
 
 
-def hf_rules(cfg: K3Config, fmt: str) -> list[HfRule]:
-  """Every parameter of ``KimiK3Model(cfg)`` with its HF source in format ``fmt``."""
+def hf_rules(cfg: K3Config, fmt: str, naming: str = "original") -> list[HfRule]:
+  """Every parameter of ``KimiK3Model(cfg)`` with its HF source in format ``fmt`` and naming ``naming``.
+
+  Raises:
+    ValueError: a ``naming`` not in ``NAMINGS``, or "transformers" with a format other than kimi_linear
+      (transformers has no Kimi-K3 class).
+  """
+  if naming not in NAMINGS:
+    raise ValueError(f"naming must be one of {NAMINGS}, got {naming!r}")
+  if naming == "transformers" and fmt != "kimi_linear":
+    raise ValueError(f"naming 'transformers' needs fmt 'kimi_linear' (transformers has no Kimi-K3 class), "
+                     f"got fmt {fmt!r}")
   rules: list[HfRule] = []
+  dense_mlp = "block_sparse_moe." if naming == "transformers" else "mlp."
   d, v = cfg.hidden_size, cfg.vocab_size
 
   def lin(path, hf, out, inp, view):
@@ -208,7 +224,7 @@ def hf_rules(cfg: K3Config, fmt: str) -> list[HfRule]:
         lin(ap + ("g_proj",), ha + "g_proj", h * dv, d, (d, h, dv))
       lin(ap + ("o_proj",), ha + "o_proj", d, h * dv, (h, dv, d))
     if not cfg.is_moe(i):
-      mlp(lp + ("mlp",), hp + "mlp.", cfg.intermediate_size)
+      mlp(lp + ("mlp",), hp + dense_mlp, cfg.intermediate_size)
       continue
     mp, hm = lp + ("block_sparse_moe",), hp + "block_sparse_moe."
     e, de, inter = cfg.num_experts, cfg.moe_hidden_size, cfg.moe_intermediate_size
@@ -231,6 +247,28 @@ def hf_rules(cfg: K3Config, fmt: str) -> list[HfRule]:
   if not cfg.tie_word_embeddings:
     lin(("lm_head",), "lm_head", v, d, (d, v))
   return rules
+
+
+def _naming_of(cfg: K3Config, fmt: str, present: set[str]) -> str:
+  """The naming of a checkpoint holding the tensors ``present``: "transformers" where it holds its names.
+
+  Raises:
+    ValueError: one parameter under both names, or some parameters under each naming (each names an example).
+  """
+  if fmt != "kimi_linear":
+    return "original"
+  pairs = [(a.hf, b.hf) for a, b in zip(hf_rules(cfg, fmt, "original"), hf_rules(cfg, fmt, "transformers"))
+           if a.hf != b.hf]
+  for ours, theirs in pairs:
+    if ours in present and theirs in present:
+      raise ValueError(f"checkpoint holds one parameter twice: as {ours!r} (original naming) and as {theirs!r} "
+                       f"(transformers naming)")
+  ours = [a for a, _ in pairs if a in present]
+  theirs = [b for _, b in pairs if b in present]
+  if ours and theirs:
+    raise ValueError(f"checkpoint mixes the original naming ({len(ours)} tensors, e.g. {ours[0]!r}) with the "
+                     f"transformers naming ({len(theirs)} tensors, e.g. {theirs[0]!r}); it must use one")
+  return "transformers" if theirs else "original"
 
 
 def expert_names(rule: HfRule, e: int, mxfp4: bool) -> list[str]:
@@ -381,33 +419,41 @@ def _check_tensors(ckpt: _Checkpoint, expected: dict[str, _Expected], fmt: str) 
 
 
 class _Progress:
-  """One stderr line, refreshed at most every 0.2 s: parameters placed, checkpoint tensors and bytes read."""
+  """A ``k3jax.progress`` bar of checkpoint bytes read, noting parameters placed and tensors read (a ``with``)."""
 
   def __init__(self, ckpt: _Checkpoint, total_params: int, names: Iterable[str], enabled: bool):
-    self.ckpt, self.total_params, self.enabled = ckpt, total_params, enabled
+    self.ckpt, self.total_params = ckpt, total_params
     names = list(names)
-    self.total_tensors, self.total_bytes = len(names), sum(ckpt.nbytes(n) for n in names)
-    self.params = self.bytes = 0
+    self.total_tensors = len(names)
+    self.params = 0
     self._seen: set[str] = set()
-    self._shown = 0.0
+    self.bar = progress_lib.bar("load_hf", sum(ckpt.nbytes(n) for n in names), enabled=enabled, unit="B",
+                                unit_scale=True, unit_divisor=1024, postfix=self._counts())
+
+  def __enter__(self) -> _Progress:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.bar.close()
+
+  def _counts(self) -> str:
+    return f"{self.params}/{self.total_params} parameters, {len(self._seen)}/{self.total_tensors} tensors"
+
+  def _note(self) -> None:
+    self.bar.set_postfix_str(self._counts(), refresh=False)
 
   def read(self, name: str) -> np.ndarray:
     """``ckpt.read(name)``, counting its bytes once however often it is read."""
     if name not in self._seen:
       self._seen.add(name)
-      self.bytes += self.ckpt.nbytes(name)
+      self._note()
+      self.bar.update(self.ckpt.nbytes(name))
     return self.ckpt.read(name)
 
   def placed(self) -> None:
+    """Counts one more parameter placed."""
     self.params += 1
-    last = self.params == self.total_params
-    if not self.enabled or (not last and time.monotonic() - self._shown < 0.2):
-      return
-    self._shown = time.monotonic()
-    sys.stderr.write(f"\rload_hf: {self.params}/{self.total_params} parameters, {len(self._seen)}/"
-                     f"{self.total_tensors} tensors, {self.bytes / 2**20:.1f}/{self.total_bytes / 2**20:.1f} MiB"
-                     + ("\n" if last else ""))
-    sys.stderr.flush()
+    self._note()
 
 
 class _Source:
@@ -474,14 +520,15 @@ def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, conf
 
   Args:
     path: directory with ``config.json`` and ``model.safetensors.index.json`` plus shards (or one
-      ``model.safetensors``).
+      ``model.safetensors``); tensor names in either of ``NAMINGS`` (the published or the transformers-saved).
     mesh: None places every parameter whole on the default device. A mesh with the ``"model"`` axis pads
       the model with ``PaddingPlan.for_config(cfg, mesh size)`` and places each parameter directly with the
       sharding of its logical axes (as ``k3jax.sharding.shard_model`` would).
     config: None builds the config from ``config.json``. A ``K3Config`` sets what ``config.json`` does not
       hold (dtypes, ``impl``, ``latent_norm_eps``); every architecture field it shares with ``config.json``
       must agree.
-    progress: print a progress line on stderr (parameters placed, checkpoint tensors and MiB read).
+    progress: show a ``k3jax.progress`` bar on stderr (checkpoint bytes read, parameters placed, tensors
+      read); False shows nothing.
     check_finite: reject a float tensor holding NaN or Inf (one extra pass over each tensor as it is read).
 
   Returns:
@@ -493,7 +540,8 @@ def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, conf
       non-finite float tensor (with ``check_finite``), a non-zero tail of a K3 ``A_log``, an MXFP4 NaN scale,
       inconsistent index/shards, a corrupt or truncated shard or a ``config.json`` / index that is not a JSON
       object (each naming the file, the library's error chained), a ``config`` that contradicts
-      ``config.json``, or a mesh without the ``"model"`` axis.
+      ``config.json``, a mesh without the ``"model"`` axis, or a tensor held under both ``NAMINGS`` or a mix
+      of the two (naming the tensors).
     NotImplementedError: a quantization other than MXFP4 routed experts.
   """
   path = os.fspath(path)
@@ -513,38 +561,39 @@ def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, conf
                      f"{mesh.axis_names}")
   mxfp4 = _mxfp4_from_config(raw)
   prefix = K3_PREFIX if fmt == "kimi_k3" else ""
-  rules = hf_rules(cfg, fmt)
-  _check_rules_cover(rules, _abstract_params(cfg)[2])
   ckpt = _Checkpoint(path, check_finite)
+  rules = hf_rules(cfg, fmt, _naming_of(cfg, fmt, set(ckpt.info)))
+  _check_rules_cover(rules, _abstract_params(cfg)[2])
   expected = _expected_tensors(rules, prefix, mxfp4)
   _check_tensors(ckpt, expected, fmt)
   plan = padding.PaddingPlan.for_config(cfg, 1 if mesh is None else sharding_lib.mesh_size(mesh))
   graphdef, state, flat = _abstract_params(plan.config(cfg))
   by_path = {r.path: r for r in rules}
-  bar = _Progress(ckpt, len(flat), expected, progress)
-  for path, var in flat:
-    names = var.get_metadata()["logical_axes"]
-    if mesh is None:
-      target = SingleDeviceSharding(jax.devices()[0])
-    else:
-      sharding_lib.check_divisible(".".join(map(str, path)), var.shape, names, mesh)
-      target = NamedSharding(mesh, sharding_lib.spec(*names))
-    source = _Source(by_path[path], prefix, mxfp4, bar)
-    dtype = np.dtype(var.dtype)
-    var.set_value(jax.make_array_from_callback(
-        tuple(var.shape), target,
-        lambda index, source=source, shape=tuple(var.shape), name=str(path[-1]), dtype=dtype:
-        _padded_block(source, index, shape, name, dtype)))
-    bar.placed()
+  with _Progress(ckpt, len(flat), expected, progress) as bar:
+    for path, var in flat:
+      names = var.get_metadata()["logical_axes"]
+      if mesh is None:
+        target = SingleDeviceSharding(jax.devices()[0])
+      else:
+        sharding_lib.check_divisible(".".join(map(str, path)), var.shape, names, mesh)
+        target = NamedSharding(mesh, sharding_lib.spec(*names))
+      source = _Source(by_path[path], prefix, mxfp4, bar)
+      dtype = np.dtype(var.dtype)
+      var.set_value(jax.make_array_from_callback(
+          tuple(var.shape), target,
+          lambda index, source=source, shape=tuple(var.shape), name=str(path[-1]), dtype=dtype:
+          _padded_block(source, index, shape, name, dtype)))
+      bar.placed()
   return cfg, nnx.merge(graphdef, state)
 
 
-def hf_tensor_names(config: K3Config, fmt: str, mxfp4: bool = False) -> dict[str, tuple[int, ...]]:
-  """HF name -> shape of every text tensor a checkpoint of ``config`` in ``fmt`` holds (docs and tests)."""
+def hf_tensor_names(config: K3Config, fmt: str, mxfp4: bool = False,
+                    naming: str = "original") -> dict[str, tuple[int, ...]]:
+  """HF name -> shape of every text tensor a checkpoint of ``config`` in ``fmt`` and ``naming`` holds."""
   if fmt not in FORMATS:
     raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
   prefix = K3_PREFIX if fmt == "kimi_k3" else ""
-  return {n: e.shape for n, e in _expected_tensors(hf_rules(config, fmt), prefix, mxfp4).items()}
+  return {n: e.shape for n, e in _expected_tensors(hf_rules(config, fmt, naming), prefix, mxfp4).items()}
 
 
-__all__ = ["FORMATS", "hf_tensor_names", "load_hf", "mxfp4_dequantize"]
+__all__ = ["FORMATS", "NAMINGS", "hf_tensor_names", "load_hf", "mxfp4_dequantize"]

@@ -1,57 +1,27 @@
 """Command line: ``python -m k3jax convert`` (HF checkpoint -> k3jax params) and ``generate`` (greedy decoding).
 
+``convert`` writes an Orbax checkpoint (``k3jax.converted``) that ``generate --converted`` restores.
 Tokens in, tokens out: no tokenizer is needed (``--tokens 1,2,3``).
 """
 
 import argparse
-import json
+import contextlib
 import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from safetensors import numpy as safetensors_np
 
 from k3jax import checkpoint
 from k3jax.cache import init_cache
 from k3jax.config import K3Config
+from k3jax.converted import config_from_json, load_converted, read_metadata, save_converted
 from k3jax.model import KimiK3Model
 from k3jax.steps import decode, prefill
-
-PARAMS_FILE = "k3jax_params.safetensors"
-
-
-def save_converted(cfg: K3Config, model: KimiK3Model, out: str | os.PathLike) -> None:
-  """Writes ``config.json`` (Kimi-Linear form) and every parameter under its dotted k3jax path."""
-  os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, "config.json"), "w") as f:
-    json.dump(cfg.to_hf("kimi_linear"), f, indent=1)
-  flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-  tensors = {".".join(map(str, path)): np.asarray(var.get_value()) for path, var in flat}
-  safetensors_np.save_file(tensors, os.path.join(out, PARAMS_FILE))
-
-
-def load_converted(path: str | os.PathLike, **runtime) -> tuple[K3Config, KimiK3Model]:
-  """Reads what ``save_converted`` wrote; every parameter must be present with its shape and dtype."""
-  cfg = K3Config.from_hf(os.fspath(path), **runtime)
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: KimiK3Model(cfg, rngs=nnx.Rngs(0))))
-  tensors = safetensors_np.load_file(os.path.join(path, PARAMS_FILE))
-  for p, var in nnx.to_flat_state(nnx.state(state, nnx.Param)):
-    name = ".".join(map(str, p))
-    if name not in tensors:
-      raise ValueError(f"{PARAMS_FILE} has no tensor {name!r}")
-    value = tensors.pop(name)
-    if value.shape != tuple(var.shape) or value.dtype != np.dtype(var.dtype):
-      raise ValueError(f"{name} must be {np.dtype(var.dtype).name}{tuple(var.shape)}, got "
-                       f"{value.dtype.name}{value.shape}")
-    var.set_value(jnp.asarray(value))
-  if tensors:
-    raise ValueError(f"{PARAMS_FILE} has unexpected tensors {sorted(tensors)[:5]}")
-  return cfg, nnx.merge(graphdef, state)
 
 
 def _load(args) -> tuple[K3Config, KimiK3Model]:
@@ -79,33 +49,115 @@ def generate_tokens(cfg: K3Config, model: KimiK3Model, prompt: Sequence[int], ma
   return out
 
 
-def _parse_tokens(text: str) -> list[int]:
+class _Parser(argparse.ArgumentParser):
+  """An ``ArgumentParser`` whose errors are one line on stderr, ``k3jax: error: ...`` (exit status 2)."""
+
+  def error(self, message: str) -> NoReturn:
+    """Exits with status 2 after one line: the mistake and where the help is."""
+    _fail(f"{message} (see '{self.prog} --help')")
+
+
+def _fail(message: str) -> NoReturn:
+  """Exits with status 2 after one line ``k3jax: error: message`` on stderr (no traceback)."""
+  print("k3jax: error: " + " ".join(message.split()), file=sys.stderr)
+  raise SystemExit(2)
+
+
+@contextlib.contextmanager
+def _reported(flag: str, path: str):
+  """Turns a library's ValueError, NotImplementedError or OSError about ``path`` into one ``_fail`` line."""
   try:
-    return [int(t) for t in text.replace(",", " ").split()]
-  except ValueError as e:
-    raise argparse.ArgumentTypeError(f"--tokens must be integers separated by commas or spaces: {e}") from e
+    yield
+  except (OSError, ValueError, NotImplementedError) as e:
+    msg, paths = str(e), (path, os.path.abspath(path))
+    if msg.startswith(paths):
+      msg = f"{flag} {msg}"
+    elif any(p in msg for p in paths):
+      msg = f"{flag}: {msg}"
+    else:
+      msg = f"{flag} {path}: {msg}"
+    _fail(msg)
+
+
+def _parse_tokens(text: str) -> list[int]:
+  """``--tokens``: at least one integer, separated by commas or spaces."""
+  parts = text.replace(",", " ").split()
+  if not parts:
+    raise argparse.ArgumentTypeError("no token ids given (e.g. --tokens 1,2,3)")
+  tokens = []
+  for t in parts:
+    try:
+      tokens.append(int(t))
+    except ValueError:
+      msg = f"token ids must be integers separated by commas or spaces, got {t!r}"
+      raise argparse.ArgumentTypeError(msg) from None
+  return tokens
+
+
+def _positive_int(text: str) -> int:
+  """``--max-new-tokens``: an integer >= 1."""
+  try:
+    n = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+  if n < 1:
+    raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {n}")
+  return n
+
+
+def _read_config(flag: str, path: str) -> K3Config:
+  """The config of the ``--hf`` or ``--converted`` checkpoint at ``path``, from its JSON alone (no weights)."""
+  with _reported(flag, path):
+    if flag == "--converted":
+      return config_from_json(read_metadata(path).get("config"), path)
+    if not os.path.isdir(path):
+      raise ValueError(f"{path}: {'not a directory' if os.path.exists(path) else 'no such directory'}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+      raise ValueError(f"{path} has no config.json (an HF checkpoint directory holds config.json, the "
+                       "safetensors index and shards)")
+    return K3Config.from_hf(path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m k3jax", description=__doc__)
+  """Runs ``convert`` or ``generate``; returns 0, or exits with status 2 after one line naming a user mistake.
+
+  Every argument, the checkpoint's path and the prompt's token ids (against the vocab in the checkpoint's
+  config) are checked before any weight is read.
+  """
+  parser = _Parser(prog="python -m k3jax", description=__doc__.replace("``", ""))
   sub = parser.add_subparsers(dest="command", required=True)
-  conv = sub.add_parser("convert", help="read an HF Kimi-Linear / Kimi-K3 checkpoint and write k3jax params")
+  conv = sub.add_parser("convert", help="read an HF Kimi-Linear / Kimi-K3 checkpoint and write k3jax params",
+                        description="Reads an HF Kimi-Linear / Kimi-K3 checkpoint and writes it as k3jax params.")
   conv.add_argument("--hf", required=True, help="HF checkpoint directory (config.json, index, shards)")
-  conv.add_argument("--out", required=True, help="output directory (config.json + " + PARAMS_FILE + ")")
-  gen = sub.add_parser("generate", help="greedy decoding from token ids")
+  conv.add_argument("--out", required=True,
+                    help="output directory (an Orbax checkpoint: parameters, config, format version)")
+  gen = sub.add_parser("generate", help="greedy decoding from token ids",
+                       description="Greedy decoding of one prompt of token ids; prints the generated ids.")
   src = gen.add_mutually_exclusive_group(required=True)
   src.add_argument("--hf", help="HF checkpoint directory")
   src.add_argument("--converted", help="directory written by 'convert'")
   gen.add_argument("--tokens", required=True, type=_parse_tokens, help="prompt token ids, e.g. 1,2,3")
-  gen.add_argument("--max-new-tokens", type=int, default=16)
+  gen.add_argument("--max-new-tokens", type=_positive_int, default=16, metavar="N",
+                   help="tokens to generate (default: %(default)s)")
   args = parser.parse_args(argv)
+  flag, path = ("--converted", args.converted) if getattr(args, "converted", None) else ("--hf", args.hf)
+  cfg = _read_config(flag, path)
 
   if args.command == "convert":
-    cfg, model = checkpoint.load_hf(args.hf)
-    save_converted(cfg, model, args.out)
-    print(f"wrote {args.out}: {cfg.num_hidden_layers} layers, {sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))):,} parameters")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+      _fail(f"--out {args.out}: exists and is not a directory")
+    with _reported(flag, path):
+      cfg, model = checkpoint.load_hf(args.hf)
+    with _reported("--out", args.out):
+      save_converted(cfg, model, args.out)
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    print(f"wrote {args.out}: {cfg.num_hidden_layers} layers, {n_params:,} parameters")
     return 0
-  cfg, model = _load(args)
+  bad = [t for t in args.tokens if not 0 <= t < cfg.vocab_size]
+  if bad:
+    _fail(f"--tokens: token ids must be in [0, {cfg.vocab_size}) (vocab_size of {path}), got {bad[:5]}")
+  with _reported(flag, path):
+    cfg, model = _load(args)
   t0 = time.perf_counter()
   out = generate_tokens(cfg, model, args.tokens, args.max_new_tokens)
   print(" ".join(map(str, out)))

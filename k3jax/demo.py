@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 import k3jax
-from k3jax import padding, sharding, steps
+from k3jax import padding, progress, sharding, steps
 
 CPU_DEVICES = 9
 PROMPT_LENS = (5, 9, 3)
@@ -108,18 +108,6 @@ def packed_cu_seqlens(lens: list[int]) -> jax.Array:
   return jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
 
 
-def _progress(label: str, done: int, total: int, note: str) -> None:
-  """A progress bar on stderr, redrawn in place on a terminal; elsewhere (a log) only its final state."""
-  tty = sys.stderr.isatty()
-  if not tty and done < total:
-    return
-  filled = 24 * done // total
-  start, end = ("\r" if tty else ""), ("\n" if done == total else "")
-  sys.stdout.flush()
-  sys.stderr.write(f"{start}{label:>10} [{'#' * filled}{'.' * (24 - filled)}] {done}/{total} {note:<20}{end}")
-  sys.stderr.flush()
-
-
 def bytes_per_device(*trees) -> int:
   """Bytes that the arrays in ``trees`` occupy on their first device (their shard there, or the whole array)."""
   return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(trees))
@@ -140,27 +128,27 @@ def generate(model: k3jax.KimiK3Model, mesh: jax.sharding.Mesh, prompts: list[np
   step = steps.jit_model_step(placed, mesh, vocab_size=cfg.vocab_size)
   fresh = lambda: steps.init_mesh_cache(placed.cfg, n, max(PROMPT_LENS) + DECODE_STEPS, mesh)
   tokens, cu = jnp.asarray(np.concatenate(prompts)), packed_cu_seqlens([len(p) for p in prompts])
-  total = DECODE_STEPS + 2
-  t_start = time.perf_counter()
   # The first call compiles; the second, on a fresh cache, is timed. The first decode step compiles too.
-  _progress(label, 0, total, "compiling prefill")
-  _, compile_s = timed(step.prefill, tokens, cu, fresh())
-  _progress(label, 1, total, "prefill")
-  (logits, cache), prefill_s = timed(step.prefill, tokens, cu, fresh())
-  _progress(label, 2, total, "compiling decode")
-  logits = np.asarray(logits)
-  out, fed, greedy, times = [logits], [], [], []
-  choice = logits[np.asarray(cu[1:]) - 1].argmax(-1).astype(np.int32)
-  for s in range(DECODE_STEPS):
-    greedy.append(choice)
-    fed.append(choice if feed is None else feed[:, s])
-    (logits, cache), dt = timed(step.decode, jnp.asarray(fed[-1]), cache)
-    out.append(np.asarray(logits))
-    times.append(dt)
-    compile_s += dt if s == 0 else 0.0
-    choice = out[-1].argmax(-1).astype(np.int32)
-    last = 3 + s == total
-    _progress(label, 3 + s, total, f"done in {time.perf_counter() - t_start:.0f} s" if last else "decode")
+  with progress.bar(label, DECODE_STEPS + 2, unit="step", postfix="compiling prefill") as bar:
+    _, compile_s = timed(step.prefill, tokens, cu, fresh())
+    bar.set_postfix_str("prefill", refresh=False)
+    bar.update()
+    (logits, cache), prefill_s = timed(step.prefill, tokens, cu, fresh())
+    bar.set_postfix_str("compiling decode", refresh=False)
+    bar.update()
+    logits = np.asarray(logits)
+    out, fed, greedy, times = [logits], [], [], []
+    choice = logits[np.asarray(cu[1:]) - 1].argmax(-1).astype(np.int32)
+    for s in range(DECODE_STEPS):
+      greedy.append(choice)
+      fed.append(choice if feed is None else feed[:, s])
+      (logits, cache), dt = timed(step.decode, jnp.asarray(fed[-1]), cache)
+      out.append(np.asarray(logits))
+      times.append(dt)
+      compile_s += dt if s == 0 else 0.0
+      choice = out[-1].argmax(-1).astype(np.int32)
+      bar.set_postfix_str("done" if s == DECODE_STEPS - 1 else "decode", refresh=False)
+      bar.update()
   return Run(mesh=mesh, plan=plan, cfg=placed.cfg, step=step, logits=out, fed=np.stack(fed, 1),
              greedy=np.stack(greedy, 1), prefill_s=prefill_s, decode_s=float(np.median(times[1:])),
              compile_s=compile_s, bytes_per_device=bytes_per_device(step.state, cache))

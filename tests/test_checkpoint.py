@@ -3,10 +3,12 @@ against a float64 NumPy forward of the HF math written here (straight from the s
 load == unsharded load padded by ``shard_model``, and every error of the loader and the writer.
 """
 
+import io
 import json
 import os
 import re
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,13 +18,14 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
+from tqdm import tqdm
 
 from support import fast_jit
 
 import k3jax
 from k3jax import checkpoint as ck
 from k3jax import config as cfg_lib
-from k3jax import sharding, testing
+from k3jax import progress, sharding, testing
 
 F32 = dict(dtype=jnp.float32, param_dtype=jnp.float32, cache_dtype=jnp.float32, conv_dtype=jnp.float32,
            state_dtype=jnp.float32, partial_dtype=jnp.float32, impl="xla")
@@ -154,6 +157,72 @@ def test_round_trip(written, fmt):
   assert 0.005 < norm.std() < 0.1 and abs(norm.mean() - 1) < 0.05
 
 
+@pytest.fixture(scope="module")
+def transformers_written(tmp_path_factory):
+  """The kimi_linear checkpoint of ``written`` (seed 3) as transformers saves it; tests copy before editing."""
+  return testing.write_tiny_hf(tmp_path_factory.mktemp("hf_tf"), LINEAR, seed=3, naming="transformers")
+
+
+DENSE_TF = "model.layers.0.block_sparse_moe."  # transformers' name of layer 0's dense MLP (``model.layers.0.mlp.``)
+
+
+def test_transformers_naming_loads_bitwise_equal(written, transformers_written):
+  """A checkpoint saved by transformers (renamed dense MLP, derived config keys) loads to the same parameters."""
+  path = transformers_written
+  names = set(_read_all(path))
+  assert names == set(ck.hf_tensor_names(LINEAR, "kimi_linear", naming="transformers"))
+  assert {DENSE_TF + f"{n}_proj.weight" for n in ("gate", "up", "down")} <= names
+  assert not any(".mlp." in n for n in names)
+  assert names - set(ck.hf_tensor_names(LINEAR, "kimi_linear")) == {
+      DENSE_TF + f"{n}_proj.weight" for n in ("gate", "up", "down")}
+  with open(os.path.join(path, "config.json")) as f:
+    raw = json.load(f)
+  assert {k: raw[k] for k in cfg_lib.TRANSFORMERS_KEYS} == LINEAR.transformers_keys()
+  assert raw["layer_types"][2] == "full_attention" and raw["mlp_layer_types"][:2] == ["dense", "sparse"]
+  cfg, model = ck.load_hf(path, progress=False)
+  assert cfg == LINEAR
+  a, b = _flat(model), _flat(ck.load_hf(written["kimi_linear", False], progress=False)[1])
+  assert set(a) == set(b)
+  for name in b:
+    x, y = np.asarray(a[name]), np.asarray(b[name])
+    assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), name
+
+
+def test_error_one_tensor_under_both_namings(transformers_written, tmp_path):
+  path = str(tmp_path / "ckpt")
+  shutil.copytree(transformers_written, path)
+  _rewrite(path, lambda t: t.update({"model.layers.0.mlp.up_proj.weight": t[DENSE_TF + "up_proj.weight"]}))
+  _load_error(path, re.escape(f"holds one parameter twice: as 'model.layers.0.mlp.up_proj.weight' (original "
+                              f"naming) and as '{DENSE_TF}up_proj.weight' (transformers naming)"))
+
+
+def test_error_mixed_namings(transformers_written, tmp_path):
+  path = str(tmp_path / "ckpt")
+  shutil.copytree(transformers_written, path)
+  _rewrite(path, lambda t: t.update({"model.layers.0.mlp.down_proj.weight": t.pop(DENSE_TF + "down_proj.weight")}))
+  _load_error(path, re.escape("mixes the original naming (1 tensors, e.g. 'model.layers.0.mlp.down_proj.weight') "
+                              f"with the transformers naming (2 tensors, e.g. '{DENSE_TF}gate_proj.weight')"))
+
+
+def test_error_missing_tensor_in_transformers_naming(transformers_written, tmp_path):
+  """A missing tensor is named as the checkpoint's own naming spells it."""
+  path = str(tmp_path / "ckpt")
+  shutil.copytree(transformers_written, path)
+  _rewrite(path, lambda t: t.pop(DENSE_TF + "gate_proj.weight"))
+  _load_error(path, re.escape(f"missing 1 tensors the kimi_linear config needs: {DENSE_TF}gate_proj.weight [96, 64]"))
+
+
+def test_error_transformers_config_contradicts_primary_keys(transformers_written, tmp_path):
+  path = str(tmp_path / "ckpt")
+  shutil.copytree(transformers_written, path)
+  with open(os.path.join(path, "config.json")) as f:
+    raw = json.load(f)
+  raw["linear_num_heads"] = 8
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(raw, f)
+  _load_error(path, re.escape("linear_num_heads=8 contradicts linear_attn_config.num_heads=4"))
+
+
 def test_single_file_checkpoint(written, tmp_path):
   path = _copy(written, ("kimi_linear", False), tmp_path)
   tensors = _read_all(path)
@@ -175,13 +244,39 @@ def test_tied_embeddings(tmp_path):
   assert loaded == cfg and not hasattr(model, "lm_head") and "lm_head.kernel" not in _flat(model)
 
 
-def test_progress_line(written, capsys):
-  ck.load_hf(written["kimi_linear", False], progress=True)
-  err = capsys.readouterr().err
+def test_progress_lines_in_a_log(written, capsys, monkeypatch):
+  """Captured stderr is not a terminal: every update of the bar is a line of its own, never ``\\r``-joined."""
+  path = written["kimi_linear", False]
   n = len(_flat(nnx.eval_shape(lambda: k3jax.KimiK3Model(LINEAR, rngs=nnx.Rngs(0)))))
   t = len(ck.hf_tensor_names(LINEAR, "kimi_linear"))
-  total = sum(a.nbytes for a in _read_all(written["kimi_linear", False]).values()) / 2**20
-  assert err.endswith(f"load_hf: {n}/{n} parameters, {t}/{t} tensors, {total:.1f}/{total:.1f} MiB\n")
+  total = tqdm.format_sizeof(sum(a.nbytes for a in _read_all(path).values()), divisor=1024)
+  ck.load_hf(path, progress=False)
+  assert capsys.readouterr().err == ""
+  monkeypatch.setattr(progress, "LOG_INTERVAL", 3600.0)
+  ck.load_hf(path)  # a load shorter than the log interval shows its first and its last state
+  first, last = capsys.readouterr().err.split("\n")[:-1]
+  assert first.startswith("load_hf:   0%") and first.endswith(f"0/{n} parameters, 0/{t} tensors]")
+  assert last.startswith("load_hf: 100%") and f"| {total}/{total} [" in last
+  assert last.endswith(f"{n}/{n} parameters, {t}/{t} tensors]")
+  monkeypatch.setattr(progress, "LOG_INTERVAL", 0.0)
+  ck.load_hf(path)
+  err = capsys.readouterr().err
+  lines = err.splitlines()
+  assert "\r" not in err and err.endswith("\n") and len(lines) > 3
+  assert all(line.startswith("load_hf: ") and line.endswith(" tensors]") for line in lines), lines
+  assert lines[-1].startswith("load_hf: 100%") and lines[-1].endswith(f"{n}/{n} parameters, {t}/{t} tensors]")
+
+
+def test_progress_redraws_in_place_on_a_terminal(written, monkeypatch):
+  """On a terminal the bar is tqdm's own: redrawn in place (``\\r``), one newline at the end."""
+
+  class Terminal(io.StringIO):
+    def isatty(self):
+      return True
+  monkeypatch.setattr(sys, "stderr", Terminal())
+  ck.load_hf(written["kimi_linear", False])
+  err = sys.stderr.getvalue()
+  assert err.startswith("\rload_hf:") and err.count("\n") == 1 and err.endswith("\n")
 
 
 # ---------------------------------------------------------------------------------------------- MXFP4
@@ -637,7 +732,8 @@ def test_error_unsupported_quantization(written, tmp_path, change, match):
 
 def test_error_name_table_out_of_sync_with_model(written, monkeypatch):
   rules = ck.hf_rules
-  monkeypatch.setattr(ck, "hf_rules", lambda cfg, fmt: [r for r in rules(cfg, fmt) if r.path != ("norm", "weight")])
+  monkeypatch.setattr(ck, "hf_rules", lambda cfg, fmt, naming="original": [
+      r for r in rules(cfg, fmt, naming) if r.path != ("norm", "weight")])
   _load_error(written["kimi_linear", False], r"parameters without a checkpoint tensor \['norm.weight'\]")
 
 
@@ -646,6 +742,10 @@ def test_writer_errors(tmp_path):
     testing.write_tiny_hf(tmp_path, LINEAR, 0, fmt="kimi_k2")
   with pytest.raises(ValueError, match="num_shards must be an int >= 1, got 0"):
     testing.write_tiny_hf(tmp_path, LINEAR, 0, num_shards=0)
+  with pytest.raises(ValueError, match="naming must be one of"):
+    testing.write_tiny_hf(tmp_path, LINEAR, 0, naming="hub")
+  with pytest.raises(ValueError, match="naming 'transformers' needs fmt 'kimi_linear'"):
+    testing.write_tiny_hf(tmp_path, K3, 0, fmt="kimi_k3", naming="transformers")
   with pytest.raises(ValueError, match=r"multiples of 32, got \{'moe hidden size \(w1/w3 input\)': 48\}"):
     testing.write_tiny_hf(tmp_path, cfg_lib.preset("tiny"), 0, fmt="kimi_k3", mxfp4=True)
   with pytest.raises(ValueError, match="needs kda_num_heads <= kda_head_dim"):

@@ -1,10 +1,12 @@
 """`python -m k3jax convert / generate` on a tiny checkpoint written by the tests."""
 
+import shutil
+
 import numpy as np
 import pytest
 
 import k3jax
-from k3jax import checkpoint, cli, testing
+from k3jax import checkpoint, cli, converted, testing
 
 
 @pytest.fixture(scope="module")
@@ -29,28 +31,20 @@ def test_convert_then_generate_matches_generate_from_hf(tiny_k3, tmp_path, capsy
   assert len(from_hf) == 4 and from_hf == from_converted
 
   # Greedy decoding is consistent with one prefill over the prompt and the generated tokens.
-  cfg, model = cli.load_converted(tmp_path / "conv")
+  cfg, model = converted.load_converted(tmp_path / "conv")
   seq = [3, 1, 4, 1, 5] + from_hf
   logits, _ = k3jax.prefill(model, np.asarray(seq, np.int32), np.asarray([0, len(seq)], np.int32),
                             k3jax.init_cache(cfg, 1, len(seq)))
   assert np.argmax(np.asarray(logits, np.float32)[4:8], axis=-1).tolist() == from_hf
 
 
-def test_converted_params_are_checked(tiny_k3, tmp_path):
-  cfg, model = checkpoint.load_hf(tiny_k3, progress=False)
-  cli.save_converted(cfg, model, tmp_path)
-  from safetensors import numpy as st
-  tensors = st.load_file(tmp_path / cli.PARAMS_FILE)
-  name = sorted(tensors)[0]
-  st.save_file({**tensors, name: tensors[name][..., :1]}, tmp_path / cli.PARAMS_FILE)
-  with pytest.raises(ValueError, match=f"{name} must be"):
-    cli.load_converted(tmp_path)
-  st.save_file({k: v for k, v in tensors.items() if k != name}, tmp_path / cli.PARAMS_FILE)
-  with pytest.raises(ValueError, match=f"has no tensor '{name}'"):
-    cli.load_converted(tmp_path)
-  st.save_file({**tensors, "extra": tensors[name]}, tmp_path / cli.PARAMS_FILE)
-  with pytest.raises(ValueError, match="unexpected tensors \\['extra'\\]"):
-    cli.load_converted(tmp_path)
+def test_generate_converted_rejects_other_directories(tiny_k3, tmp_path, capsys):
+  # An HF checkpoint directory is not a converted one; a missing directory is named. One line, status 2.
+  for path, why in ((tiny_k3, "is not a k3jax converted checkpoint"), (tmp_path / "missing", "no such directory")):
+    with pytest.raises(SystemExit) as e:
+      cli.main(["generate", "--converted", str(path), "--tokens", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and str(path) in err and why in err and len(err.splitlines()) == 1
 
 
 def test_generate_rejects_bad_prompts(tiny_k3):
@@ -61,5 +55,66 @@ def test_generate_rejects_bad_prompts(tiny_k3):
     cli.generate_tokens(cfg, model, [cfg.vocab_size], 2)
   with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
     cli.generate_tokens(cfg, model, [1], 0)
-  with pytest.raises(SystemExit):
-    cli.main(["generate", "--hf", str(tiny_k3), "--tokens", "a,b"])
+
+
+def _user_error(capsys, argv: list[str]) -> str:
+  """``cli.main(argv)``'s one stderr line: ``k3jax: error: ...``, exit status 2, no traceback."""
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(argv)
+  err = capsys.readouterr().err
+  assert exit_.value.code == 2 and err.startswith("k3jax: error: ") and err.count("\n") == 1, err
+  assert "Traceback" not in err
+  return err
+
+
+def test_help_is_plain_text_with_defaults(capsys):
+  for argv in (["--help"], ["convert", "--help"], ["generate", "--help"]):
+    with pytest.raises(SystemExit) as exit_:
+      cli.main(argv)
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "`" not in out and "usage: python -m k3jax" in out, out
+  assert "--max-new-tokens N    tokens to generate (default: 16)" in out
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+  """Loading a checkpoint fails the test: a user mistake must be reported before any weight is read."""
+  def refuse(*args, **kwargs):
+    raise AssertionError("the checkpoint was loaded before the arguments were checked")
+  monkeypatch.setattr(checkpoint, "load_hf", refuse)
+  monkeypatch.setattr(cli, "load_converted", refuse)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", "--hf", "{missing}", "--tokens", "1"], "--hf {missing}: no such directory"),
+    (["generate", "--hf", "{file}", "--tokens", "1"], "--hf {file}: not a directory"),
+    (["generate", "--hf", "{empty}", "--tokens", "1"], "--hf {empty} has no config.json"),
+    (["convert", "--hf", "{empty}", "--out", "{missing}"], "--hf {empty} has no config.json"),
+    (["convert", "--hf", "{hf}", "--out", "{file}"], "--out {file}: exists and is not a directory"),
+    (["generate", "--converted", "{missing}", "--tokens", "1"], "--converted {missing}: no such directory"),
+    (["generate", "--hf", "{hf}", "--tokens", ""], "argument --tokens: no token ids given"),
+    (["generate", "--hf", "{hf}", "--tokens", " , "], "argument --tokens: no token ids given"),
+    (["generate", "--hf", "{hf}", "--tokens", "1,x"], "integers separated by commas or spaces, got 'x'"),
+    (["generate", "--hf", "{hf}", "--tokens", "1,{vocab}"], "token ids must be in [0, {vocab}) (vocab_size of "),
+    (["generate", "--hf", "{hf}", "--tokens=-1"], "token ids must be in [0, {vocab}) "),
+    (["generate", "--hf", "{hf}", "--tokens", "1", "--max-new-tokens", "0"], "must be an integer >= 1, got 0"),
+    (["generate", "--hf", "{hf}", "--tokens", "1", "--max-new-tokens", "two"], "must be an integer >= 1, got 'two'"),
+    (["generate", "--hf", "{hf}"], "the following arguments are required: --tokens (see 'python -m k3jax generate"),
+    ([], "the following arguments are required: command"),
+])
+def test_user_mistakes_are_one_line_before_loading(tiny_k3, tmp_path, capsys, no_weights, argv, match):
+  (tmp_path / "empty").mkdir()
+  (tmp_path / "file").write_text("")
+  names = {"hf": tiny_k3, "missing": tmp_path / "missing", "file": tmp_path / "file", "empty": tmp_path / "empty",
+           "vocab": k3jax.preset("tiny").vocab_size}
+  argv = [a.format(**names) for a in argv]
+  assert match.format(**names) in _user_error(capsys, argv)
+
+
+def test_checkpoint_errors_while_loading_are_one_line(tiny_k3, tmp_path, capsys):
+  # A truncated shard is found only while the weights are read; the library's ValueError becomes one line.
+  path = tmp_path / "hf"
+  shutil.copytree(tiny_k3, path)
+  shard = sorted(path.glob("*.safetensors"))[-1]
+  shard.write_bytes(shard.read_bytes()[:-100])
+  assert f"--hf {path}" in _user_error(capsys, ["generate", "--hf", str(path), "--tokens", "1"])

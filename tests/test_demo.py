@@ -17,8 +17,13 @@ def test_demo_passes_on_one_device(capsys):
   # flips under bf16 rounding); now the float32 run must agree and the bf16 run may differ only at tokens
   # whose experts really differ.
   assert demo.main(["--devices", "1"]) == 0
-  out = capsys.readouterr().out
+  out, err = capsys.readouterr()
   assert "consistency (float32, impl=xla)" in out and "MISMATCH" not in out
+  # The progress bar on a captured (non-terminal) stderr: whole lines, the last one complete.
+  steps = demo.DECODE_STEPS + 2
+  bar = [line for line in err.splitlines() if line.startswith("1 device: ")]
+  assert "\r" not in err and bar[0].startswith("1 device:   0%") and bar[0].endswith("compiling prefill]")
+  assert bar[-1].startswith("1 device: 100%") and f"{steps}/{steps}" in bar[-1] and bar[-1].endswith("done]")
 
 
 def _consistency(diff, flipped, prompt_flipped=None) -> demo.Consistency:
