@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--json", help="write the rows here")
   parser.add_argument("--phases", nargs="+", choices=("decode", "prefill"), default=["decode", "prefill"],
                       help="which rows to time, in this order")
+  parser.add_argument("--quick", action="store_true",
+                      help="one row per phase (decode N=256 H=96, prefill N=1 T=8192 H=96), as make gpu-check runs it")
   parser.add_argument("--block", type=int, help="ShortConvTuning.block: kernel channels per program")
   parser.add_argument("--rows", type=int, help="ShortConvTuning.rows: kernel decode rows per program")
   parser.add_argument("--token-block", type=int, help="ShortConvTuning.token_block: kernel prefill tokens per program")
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{row['conv_share']:10.1%}", flush=True)
 
   def decode_rows():
-    for n, h in ((1, 96), (256, 96), (8, 96), (64, 96), (256, 11)):
+    for n, h in ((256, 96),) if args.quick else ((1, 96), (256, 96), (8, 96), (64, 96), (256, 11)):
       rot, iters = _harness.rotation_plan(n * h * K * K * 4)
       conv = conv_decode_ms(n, h, rot, iters, kernel)
       conv_xla = conv_decode_ms(n, h, rot, iters, xla)
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
              conv_gbps=conv_bytes(n, n, 3 * h * K) / (conv * 1e-3) / 1e9)
 
   def prefill_rows():
-    for lens, h in (((8192,), 96), ((1024,) * 8, 96), ((8192,), 11)):
+    for lens, h in (((8192,), 96),) if args.quick else (((8192,), 96), ((1024,) * 8, 96), ((8192,), 11)):
       conv = conv_prefill_ms(lens, h, 20, kernel)
       conv_xla = conv_prefill_ms(lens, h, 20, xla)
       op = kda_prefill_ms(lens, h, iters=10)
