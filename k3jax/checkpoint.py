@@ -521,7 +521,7 @@ def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, conf
   Args:
     path: directory with ``config.json`` and ``model.safetensors.index.json`` plus shards (or one
       ``model.safetensors``); tensor names in either of ``NAMINGS`` (the published or the transformers-saved).
-    mesh: None places every parameter whole on the default device. A mesh with the ``"model"`` axis pads
+    mesh: None places every parameter whole on this process's first device. A mesh with the ``"model"`` axis pads
       the model with ``PaddingPlan.for_config(cfg, mesh size)`` and places each parameter directly with the
       sharding of its logical axes (as ``k3jax.sharding.shard_model`` would).
     config: None builds the config from ``config.json``. A ``K3Config`` sets what ``config.json`` does not
@@ -573,7 +573,7 @@ def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, conf
     for path, var in flat:
       names = var.get_metadata()["logical_axes"]
       if mesh is None:
-        target = SingleDeviceSharding(jax.devices()[0])
+        target = SingleDeviceSharding(jax.local_devices()[0])  # not devices()[0]: process 0's
       else:
         sharding_lib.check_divisible(".".join(map(str, path)), var.shape, names, mesh)
         target = NamedSharding(mesh, sharding_lib.spec(*names))

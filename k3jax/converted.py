@@ -183,7 +183,7 @@ def load_converted(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = Non
 
   Args:
     path: the checkpoint directory.
-    mesh: None puts every parameter whole on the default device. A mesh with the ``"model"`` axis pads the
+    mesh: None puts every parameter whole on this process's first device. A mesh with the ``"model"`` axis pads the
       model with ``PaddingPlan.for_config(cfg, mesh size)`` and restores each parameter with the sharding of
       its logical axes (as ``k3jax.sharding.shard_model`` would place it); each device's block is read from
       the checkpoint, never the whole array.
@@ -227,7 +227,7 @@ def load_converted(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = Non
   for p, var in flat:
     name, shape = _name(p), tuple(var.shape)
     if mesh is None:
-      target = SingleDeviceSharding(jax.devices()[0])
+      target = SingleDeviceSharding(jax.local_devices()[0])  # not devices()[0]: process 0's
     else:
       names = var.get_metadata()["logical_axes"]
       sharding_lib.check_divisible(name, shape, names, mesh)

@@ -31,6 +31,7 @@ zero FFN columns, dropped vocab rows; ``k3jax.padding``).
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -190,6 +191,9 @@ def param_specs(model: nnx.Module) -> nnx.State:
 def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> tuple[nnx.Module, padding.PaddingPlan]:
   """Pads ``model`` for the mesh and places every parameter on its sharding.
 
+  On a mesh spanning several processes (``jax.distributed``) every process passes the same model (same seed
+  or checkpoint, e.g. ``load_hf`` without a mesh); each places only its own devices' blocks of it.
+
   Returns:
     The padded, placed model (``model`` itself when nothing needs padding) and its ``PaddingPlan``.
 
@@ -201,8 +205,26 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> tuple[nnx.Module,
   state = nnx.state(model)
   for path, var in nnx.to_flat_state(state):
     check_divisible(".".join(map(str, path)), var.shape, _logical_axes(path, var), mesh)
-  nnx.update(model, jax.device_put(state, tree_shardings(mesh, param_specs(model))))
+  shardings = tree_shardings(mesh, param_specs(model))
+  if not mesh.is_multi_process:
+    nnx.update(model, jax.device_put(state, shardings))
+    return model, plan
+  targets = dict(nnx.to_flat_state(shardings))
+  for path, var in nnx.to_flat_state(state):
+    var.set_value(_place_across_processes(var.get_value(), targets[path]))
   return model, plan
+
+
+def _place_across_processes(x, target: NamedSharding) -> jax.Array:
+  """``x`` (the same whole array in every process) on ``target``, a sharding over several processes' devices.
+
+  ``jax.device_put`` refuses a committed array here (one that ``load_hf`` placed, say): it would be a transfer
+  between hosts. Every process already holds the whole value, so each builds its own devices' blocks from it.
+  """
+  if not isinstance(x, jax.Array) or not x.is_fully_addressable:
+    return jax.device_put(x, target)
+  host = np.asarray(x)
+  return jax.make_array_from_callback(host.shape, target, lambda index: host[index], dtype=host.dtype)
 
 
 # Layouts of the cache arrays (``k3jax.cache``); the MLA latent cache is the DCP layout of ``k3jax.dcp``.
