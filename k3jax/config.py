@@ -369,7 +369,7 @@ _TEXT_KEYS = _INFO_KEYS | frozenset(TRANSFORMERS_KEYS) | frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "hidden_act", "activation_situ_beta", "activation_situ_linear_beta", "rms_norm_eps",
     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_nope",
-    "mla_use_output_gate", "rope_scaling", "linear_attn_config", "num_experts", "num_experts_per_token",
+    "mla_use_output_gate", "rope_scaling", "rope_parameters", "linear_attn_config", "num_experts", "num_experts_per_token",
     "num_shared_experts", "moe_intermediate_size", "routed_expert_hidden_size", "latent_moe_use_norm",
     "first_k_dense_replace", "moe_layer_freq", "moe_router_activation_func", "moe_renormalize",
     "routed_scaling_factor", "num_expert_group", "topk_group", "topk_method", "num_nextn_predict_layers",
@@ -427,8 +427,10 @@ def _parse_text_config(t: dict, where: str) -> dict:
                      f"num_attention_heads={heads} (MLA)")
   if t.get("mla_use_nope", False) is not True:
     raise NotImplementedError(f"{where}: mla_use_nope must be true (RoPE MLA is not implemented)")
-  if t.get("rope_scaling") is not None:
-    raise ValueError(f"{where}: rope_scaling={t['rope_scaling']!r} contradicts mla_use_nope=true")
+  # transformers 5.x saves the RoPE settings as ``rope_parameters`` (null for this NoPE model).
+  for key in ("rope_scaling", "rope_parameters"):
+    if t.get(key) is not None:
+      raise ValueError(f"{where}: {key}={t[key]!r} contradicts mla_use_nope=true")
   if t.get("num_nextn_predict_layers", 0) != 0:
     raise NotImplementedError(f"{where}: num_nextn_predict_layers must be 0 (no MTP layers)")
   if t.get("moe_router_activation_func", "sigmoid") != "sigmoid":

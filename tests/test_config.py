@@ -127,6 +127,7 @@ _DELETE = object()
     ("lin", ("linear_attn_config", "full_attn_layers"), [4, 4, 8, 12, 16, 20, 24, 27], "duplicates"),
     ("lin", ("num_key_value_heads",), 8, "num_key_value_heads"),
     ("lin", ("rope_scaling",), {"type": "yarn"}, "rope_scaling"),
+    ("lin", ("rope_parameters",), {"rope_type": "default", "rope_theta": 1e4}, "rope_parameters=.*mla_use_nope"),
     ("lin", ("hidden_act",), "gelu", "hidden_act"),
     ("lin", ("num_experts_per_token",), 300, "num_experts_per_token"),
     ("lin", ("latent_moe_use_norm",), True, "latent_moe_use_norm"),
@@ -134,6 +135,7 @@ _DELETE = object()
     ("k3", ("text_config", "linear_attn_config", "gate_lower_bound"), -6.0, "gate_lower_bound"),
 ])
 def test_bad_hf_configs_raise(base, path, value, match):
+  """Each bad key is named (``rope_parameters`` is transformers 5.x's name for the RoPE settings)."""
   j = _mutate(_linear_json() if base == "lin" else _k3_json(), path, value)
   with pytest.raises(ValueError, match=match):
     K3Config.from_hf(j, impl="xla")
@@ -164,6 +166,7 @@ def test_transformers_keys_are_accepted():
   # output_router_logits only asks transformers for the router logits: either value is the same model.
   assert K3Config.from_hf({**j, "output_router_logits": True}, impl="xla") == want
   assert K3Config.from_hf({**j, "pretraining_tp": None}, impl="xla") == want  # transformers allows null
+  assert K3Config.from_hf({**j, "rope_parameters": None}, impl="xla") == want  # saved when rope_scaling is given
   k3 = cfg_lib.preset("kimi_k3", impl="xla")
   nested = _k3_json()
   nested["text_config"].update(k3.transformers_keys())
