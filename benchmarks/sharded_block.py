@@ -477,6 +477,15 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
   return args
 
 
+def gpu_environment(cudnn_ragged_dot: bool) -> None:
+  """Sets, before JAX starts its backends (no effect once they run, e.g. under pytest), the GPU memory fraction
+  (unless set) and, with ``cudnn_ragged_dot``, XLA's ragged-dot fusion (see the module docstring)."""
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+  if cudnn_ragged_dot:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_gpu_experimental_use_ragged_dot_fusion=true").strip()
+
+
 def main(argv: list[str] | None = None) -> int:
   """Runs the benchmark; returns the exit status (1 when ``--compare`` finds a difference above the tolerance)."""
   args = _resolve(_parser().parse_args(argv))
@@ -484,10 +493,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.tiny:
     demo.request_cpu_devices(9)
   else:
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    if args.cudnn_ragged_dot:
-      os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                 " --xla_gpu_experimental_use_ragged_dot_fusion=true").strip()
+    gpu_environment(args.cudnn_ragged_dot)
   if args.watchdog > 0:
     faulthandler.dump_traceback_later(args.watchdog, repeat=True)
   # float32 dots default to TF32 on Ampere and later GPUs (10-bit mantissa): bf16-like noise again.

@@ -1,0 +1,65 @@
+"""CPU smoke runs of benchmarks/mla_prefill.py and benchmarks/long_prompt.py at tiny sizes (f32, impl xla)."""
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+# The scripts import ``benchmarks.*`` from the repository root: ``python -m pytest`` has it on the path, the
+# bare ``pytest`` entry point does not.
+_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+from benchmarks import long_prompt, mla_prefill  # noqa: E402
+
+
+def test_mla_prefill_smoke(tmp_path, capsys):
+  log = tmp_path / "mla_prefill.jsonl"
+  assert mla_prefill.main(["--smoke", "--json", str(log), "--watchdog", "0"]) == 0
+  out = capsys.readouterr().out
+  rows = [json.loads(line) for line in log.read_text().splitlines()]
+  shapes = {(r["T"], r["N"], r["H"]) for r in rows}
+  assert shapes == {(256, 1, 2), (256, 2, 2)}
+  assert len(rows) == len(shapes) * (1 + len(mla_prefill.PEERS + mla_prefill.EXTRA_PEERS))
+  for row in rows:
+    assert set(row) == set(mla_prefill.ROW_KEYS), row
+    if row["status"] != "ok":
+      # cuDNN and torch need a GPU: reported with the reason, not run
+      assert row["impl"] in mla_prefill.PEERS and row["status"].startswith("skipped: "), row
+      assert row["ms"] is None and row["tflops"] is None
+      continue
+    assert np.isfinite(row["ms"]) and row["ms"] > 0 and row["tflops"] > 0 and 0 < row["peak_frac"] < 1, row
+    assert row["seq_len"] * row["N"] == row["T"]
+  ours = [r for r in rows if r["impl"].startswith("ours")]
+  assert [r["impl"] for r in ours] == ["ours (xla)"] * 2 and all(r["status"] == "ok" for r in ours)
+  # XLA's dense attention through the peers' batch layout, v padded to 192: the same numbers as ours (f32).
+  dense = [r for r in rows if r["impl"] == "jax-xla"]
+  assert len(dense) == 2 and all(r["status"] == "ok" and r["v_dim"] == 192 and r["rel_rmse"] < 1e-5
+                                 for r in dense), dense
+  assert "ours (xla)" in out and "TFLOP/s" in out and "skipped: cpu backend" in out
+
+
+def test_causal_flops_counts_the_visible_pairs():
+  # One sequence of 3 tokens: 1 + 2 + 3 = 6 visible pairs, 2 (Dqk + Dv) FLOPs per pair and head.
+  assert mla_prefill.causal_flops([3], H=2, dqk=192, dv=128) == 6 * 2 * 2 * 320
+  assert mla_prefill.causal_flops([3, 3], H=1) == 2 * mla_prefill.causal_flops([3], H=1)
+
+
+def test_long_prompt_chunked_equals_one_shot(tmp_path, capsys):
+  log = tmp_path / "long_prompt.jsonl"
+  assert long_prompt.main(["--tiny", "--dtype", "float32", "--json", str(log), "--watchdog", "0"]) == 0
+  out = capsys.readouterr().out
+  (row,) = [json.loads(line) for line in log.read_text().splitlines()]
+  assert set(row) == set(long_prompt.ROW_KEYS), row
+  assert (row["prompt_len"], row["chunk"], row["devices"], row["impl"]) == (64, 16, 1, "xla")
+  assert row["chunked_status"] == row["oneshot_status"] == "ok"
+  for key in ("chunked_ms", "chunked_tok_s", "oneshot_ms", "oneshot_tok_s", "decode_ms", "decode_tok_s"):
+    assert np.isfinite(row[key]) and row[key] > 0, key
+  assert len(row["chunk_ms"]) == 64 // 16 and all(np.isfinite(row["chunk_ms"]))
+  assert row["decode_context"] == 64
+  # f32 everywhere, full-precision matmuls: the chunked path (cached prefix in absorbed form, merged by lse)
+  # and the one-shot path differ only in summation order.
+  assert row["logits_max_rel_diff"] < 1e-4, row
+  assert "one-shot vs chunked" in out and "decode" in out
