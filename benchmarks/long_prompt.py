@@ -22,8 +22,8 @@ Times are wall clock around the calls, compile excluded; tokens/s = L / prefill 
 Memory per device: ``peak_gib`` after each phase is ``memory_stats()["peak_bytes_in_use"]``, the process's peak
 so far (JAX has no reset): phases run in the order above, so each peak includes the earlier phases' (run one
 mode with ``--chunk 0`` or ``--no-one-shot`` for its own). Null where the backend keeps no statistics (CPU).
-K3's prefill returns f32 logits for every token, ``[T, 163840]`` (21 GB at 32K, 86 GB at 128K per call): a
-one-shot prefill of a long prompt holds that buffer, a chunked one only a chunk's.
+Every prefill asks for the last token's logits only (``last_only``): the full f32 logits, ``[T, 163840]``,
+would be the largest buffer of a long prompt's step.
 
 Equality: ``logits_max_abs_diff`` is max |one-shot - chunked| over the final token's logits (the same token,
 the same cached context), ``logits_max_rel_diff`` that over the largest |one-shot logit|. In bf16 the two paths
@@ -96,7 +96,7 @@ def fit_modes(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Names
   for L in args.prompt_len:
     for mode in modes(args):
       sizes = argparse.Namespace(seqs=1, prefill_batch=1, prompt_len=L if mode == "oneshot" else args.chunk,
-                                 context=L, decode_steps=args.warmup + args.decode_steps)
+                                 context=L, decode_steps=args.warmup + args.decode_steps, last_only=True)
       try:
         fits.append(sharded_block.fit_experts(cfg, mesh, sizes, limit, options))
         skipped[L, mode] = None
@@ -145,9 +145,8 @@ def run_length(step: steps.ModelStep, cfg: k3jax.K3Config, mesh: jax.sharding.Me
     final = None
     for i in range(count):
       t0 = time.perf_counter()
-      logits, cache = step.prefill(put(prompt[i * args.chunk:(i + 1) * args.chunk]), cu, cache)
+      logits, cache = step.prefill(put(prompt[i * args.chunk:(i + 1) * args.chunk]), cu, cache, last_only=True)
       final = logits[-1]
-      del logits  # [chunk, vocab] f32: keep one row, not the whole buffer
       jax.block_until_ready(cache)
       if times is not None:
         times.append((time.perf_counter() - t0) * 1e3)
@@ -177,15 +176,13 @@ def run_length(step: steps.ModelStep, cfg: k3jax.K3Config, mesh: jax.sharding.Me
         _log(f"L={L} one-shot: warm-up (compiles)")
         cu = put(np.asarray([0, L], np.int32))
         tokens = put(prompt)
-        logits, cache = step.prefill(tokens, cu, cache)
-        del logits
+        _, cache = step.prefill(tokens, cu, cache, last_only=True)
         samples = []
         for rep in range(args.reps):
           cache = restart(cache)
           t0 = time.perf_counter()
-          logits, cache = step.prefill(tokens, cu, cache)
+          logits, cache = step.prefill(tokens, cu, cache, last_only=True)
           final = logits[-1]
-          del logits
           jax.block_until_ready(cache)
           samples.append((time.perf_counter() - t0) * 1e3)
           _log(f"L={L} one-shot rep {rep + 1}/{args.reps}: {samples[-1]:,.1f} ms")

@@ -150,6 +150,13 @@ class DecoderLayer(nnx.Module):
     return prefix + self._ffn(self.post_attention_layernorm(h)), blocks, entry
 
 
+def empty_prefill_logits(num_seqs: int, vocab_size: int, last_only: bool) -> jax.Array:
+  """The logits of a prefill of no token: ``[0, vocab]``, or with ``last_only`` ``[N, vocab]`` NaN (no sequence
+  has a last new token)."""
+  return jnp.full((num_seqs, vocab_size), jnp.nan, jnp.float32) if last_only else jnp.zeros((0, vocab_size),
+                                                                                             jnp.float32)
+
+
 class KimiK3Model(nnx.Module):
   """Embedding, decoder layers, (output attention residual mix), final norm and LM head.
 
@@ -171,11 +178,12 @@ class KimiK3Model(nnx.Module):
       self.lm_head = nn_util.Linear((cfg.hidden_size,), (cfg.vocab_size,), ("embed", "vocab"),
                                     dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
 
-  def _run(self, tokens: jax.Array, cache: ModelCache, attend_kda: Attend,
-           attend_mla: Attend) -> tuple[jax.Array, ModelCache]:
+  def _run(self, tokens: jax.Array, cache: ModelCache, attend_kda: Attend, attend_mla: Attend,
+           rows: jax.Array | None = None) -> tuple[jax.Array, ModelCache]:
     """Embedding, layers (each with its cache entry and the attention of its kind), head.
 
-    Returns ``logits [M, vocab]`` f32 and ``cache`` with every layer's new entry.
+    Returns ``logits [M, vocab]`` f32 (``[len(rows), vocab]`` of the hidden rows ``rows`` when given) and
+    ``cache`` with every layer's new entry.
     """
     cfg = self.cfg
     x = self.embed_tokens[...][tokens].astype(cfg.dtype)
@@ -189,12 +197,15 @@ class KimiK3Model(nnx.Module):
       index[kind] += 1
     if cfg.attn_res_block_size is not None:
       x = self.output_attn_res(x, blocks)
+    if rows is not None:  # the final norm and the head only where logits are asked for
+      x = x[rows]
     x = self.norm(x)
     head = self.embed_tokens[...].T if cfg.tie_word_embeddings else self.lm_head.kernel[...]
     logits = jnp.dot(x, head.astype(cfg.dtype), preferred_element_type=jnp.float32)
     return logits, cache.replace(kda=tuple(entries[KDA]), mla=tuple(entries[MLA]))
 
-  def prefill(self, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
+  def prefill(self, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache, *,
+              last_only: bool = False) -> tuple[jax.Array, ModelCache]:
     """Prefill of a packed varlen batch; sequence n of the batch extends sequence n of the cache.
 
     A sequence with ``seq_lens[n] == 0`` starts fresh; one with cached tokens continues from them (chunked
@@ -207,9 +218,13 @@ class KimiK3Model(nnx.Module):
         ``N`` equals the cache's number of sequences and ``seq_lens[n] + L_n`` fits the cache capacity
         (``max_pages * 64`` tokens, times the devices of the ambient mesh for a DCP cache).
       cache: ``ModelCache``.
+      last_only: return only each sequence's last new token's logits, ``[N, vocab]`` (NaN rows for sequences
+        with ``L_n = 0``). What a server needs to sample; at long T the full ``[T, vocab]`` f32 logits are the
+        largest array of the step (a 128K-token prompt at vocab 163840: 80 GiB).
 
     Returns:
-      ``logits [T, vocab]`` f32 and the updated cache (``seq_lens + L``; the same cache when T = 0).
+      ``logits [T, vocab]`` (``[N, vocab]`` with ``last_only``) f32 and the updated cache (``seq_lens + L``;
+      the same cache when T = 0).
 
     Raises:
       ValueError: from ``check_prefill_inputs``; index values only when they are concrete (``k3jax.prefill``
@@ -219,7 +234,7 @@ class KimiK3Model(nnx.Module):
     t = tokens.shape[0]
     if t == 0:
       # Every L_n is 0: no sequence changes, and no layer has a row to run on.
-      return jnp.zeros((0, self.cfg.vocab_size), jnp.float32), cache
+      return empty_prefill_logits(cu_seqlens.shape[0] - 1, self.cfg.vocab_size, last_only), cache
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     seq = (jnp.searchsorted(cu_seqlens, jnp.arange(t, dtype=jnp.int32), side="right") - 1).astype(jnp.int32)
     pos = jnp.arange(t, dtype=jnp.int32) - cu_seqlens[seq] + cache.seq_lens[seq]
@@ -234,7 +249,10 @@ class KimiK3Model(nnx.Module):
     def mla_fn(attn: MlaLayer, h, kv):
       return attn.prefill(h, kv, seq=seq, pos=pos, block_table=cache.block_table, prefix_lens=cache.seq_lens)
 
-    logits, cache = self._run(tokens, cache, kda_fn, mla_fn)
+    rows = jnp.maximum(cu_seqlens[1:] - 1, 0) if last_only else None
+    logits, cache = self._run(tokens, cache, kda_fn, mla_fn, rows)
+    if last_only:
+      logits = jnp.where((lens > 0)[:, None], logits, jnp.nan)
     return logits, cache.replace(seq_lens=cache.seq_lens + lens)
 
   def decode(self, tokens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:

@@ -78,14 +78,15 @@ class ModelStep:
   def _context(self):
     return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
-  def prefill(self, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
+  def prefill(self, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache, *,
+              last_only: bool = False) -> tuple[jax.Array, ModelCache]:
     """``KimiK3Model.prefill`` (``tokens [T]`` int32, ``cu_seqlens [N + 1]`` int32) -> ``(logits [T, vocab]``
-    f32, ``cache)``."""
+    f32, or ``[N, vocab]`` with ``last_only``, ``cache)``."""
     with self._context():
       model_lib.check_prefill_inputs(tokens, cu_seqlens, cache, vocab_size=self.vocab_size)
       if tokens.shape[0] == 0:  # every L_n is 0: nothing changes (as KimiK3Model.prefill)
-        return jnp.zeros((0, self.vocab_size), jnp.float32), cache
-      return self.prefill_jit(self.state, tokens, cu_seqlens, cache)
+        return model_lib.empty_prefill_logits(cu_seqlens.shape[0] - 1, self.vocab_size, last_only), cache
+      return self.prefill_jit(self.state, tokens, cu_seqlens, cache, last_only)
 
   def decode(self, tokens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
     """``KimiK3Model.decode`` (``tokens [N]`` int32) -> ``(logits [N, vocab]`` f32, ``cache)``."""
@@ -105,8 +106,8 @@ def _jit_steps(graphdef: nnx.GraphDef, vocab: int, shardings: tuple | None,
   """The jitted ``(prefill, decode)`` of a model's graph: ``shardings`` is ``(params, caches, whole)`` on a mesh
   and None on one device (the arguments' own placement)."""
 
-  def prefill(state, tokens, cu_seqlens, cache):
-    logits, cache = nnx.merge(graphdef, state).prefill(tokens, cu_seqlens, cache)
+  def prefill(state, tokens, cu_seqlens, cache, last_only=False):
+    logits, cache = nnx.merge(graphdef, state).prefill(tokens, cu_seqlens, cache, last_only=last_only)
     return logits[:, :vocab], cache
 
   def decode(state, tokens, cache):
@@ -115,11 +116,11 @@ def _jit_steps(graphdef: nnx.GraphDef, vocab: int, shardings: tuple | None,
 
   options = None if compiler_options is None else dict(compiler_options)
   if shardings is None:
-    return (jax.jit(prefill, donate_argnums=3, compiler_options=options),
+    return (jax.jit(prefill, donate_argnums=3, static_argnums=4, compiler_options=options),
             jax.jit(decode, donate_argnums=2, compiler_options=options))
   params, caches, whole = shardings
   return (jax.jit(prefill, in_shardings=(params, whole, whole, caches), out_shardings=(whole, caches),
-                  donate_argnums=3, compiler_options=options),
+                  donate_argnums=3, static_argnums=4, compiler_options=options),
           jax.jit(decode, in_shardings=(params, whole, caches), out_shardings=(whole, caches), donate_argnums=2,
                   compiler_options=options))
 
@@ -157,20 +158,21 @@ def jit_model_step(model: nnx.Module, mesh: jax.sharding.Mesh | None = None, *, 
   return ModelStep(mesh=mesh, state=state, prefill_jit=steps[0], decode_jit=steps[1], vocab_size=vocab)
 
 
-def prefill(model: nnx.Module, tokens: jax.Array, cu_seqlens: jax.Array,
-            cache: ModelCache) -> tuple[jax.Array, ModelCache]:
+def prefill(model: nnx.Module, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache, *,
+            last_only: bool = False) -> tuple[jax.Array, ModelCache]:
   """``model.prefill`` on one device, jitted with the cache donated, after a host check of the values.
 
   ``jit_model_step(model).prefill(...)``: see ``ModelStep`` for the checks.
 
   Args:
     model: a ``KimiK3Model``. tokens: ``[T]`` int32. cu_seqlens: ``[N + 1]`` int32. cache: ``ModelCache`` from
-      ``k3jax.init_cache`` (donated).
+      ``k3jax.init_cache`` (donated). last_only: only each sequence's last new token's logits.
 
   Returns:
-    ``logits [T, vocab]`` f32 and the updated cache, as ``KimiK3Model.prefill``.
+    ``logits [T, vocab]`` (``[N, vocab]`` with ``last_only``) f32 and the updated cache, as
+    ``KimiK3Model.prefill``.
   """
-  return jit_model_step(model).prefill(tokens, cu_seqlens, cache)
+  return jit_model_step(model).prefill(tokens, cu_seqlens, cache, last_only=last_only)
 
 
 def decode(model: nnx.Module, tokens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:

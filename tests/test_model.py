@@ -299,6 +299,22 @@ def test_one_device_step_is_the_mesh_step_without_a_mesh():
   np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+def test_prefill_last_only_gives_each_sequences_last_logits():
+  """``last_only`` returns row ``cu_seqlens[n + 1] - 1`` of the full logits per sequence (NaN for an empty one),
+  leaves the same cache, and an all-empty prefill gives N NaN rows."""
+  cfg, model = _kda_mla_model(19)
+  tokens, cu = jnp.arange(10, dtype=jnp.int32), jnp.asarray([0, 4, 4, 10], jnp.int32)
+  full, cache_full = k3jax.prefill(model, tokens, cu, init_cache(cfg, 3, 64))
+  last, cache_last = k3jax.prefill(model, tokens, cu, init_cache(cfg, 3, 64), last_only=True)
+  assert last.shape == (3, cfg.vocab_size) and last.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(last)[[0, 2]], np.asarray(full)[[3, 9]], rtol=1e-5, atol=1e-5)
+  assert np.isnan(np.asarray(last)[1]).all()
+  for a, b in zip(jax.tree.leaves(cache_last), jax.tree.leaves(cache_full), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+  empty, _ = k3jax.prefill(model, jnp.zeros((0,), jnp.int32), jnp.zeros(4, jnp.int32), cache_last, last_only=True)
+  assert empty.shape == (3, cfg.vocab_size) and np.isnan(np.asarray(empty)).all()
+
+
 def _kda_mla_model(seed: int):
   """A 2-layer model (one KDA, one MLA layer) for the tests of the jitted API."""
   cfg = cfg_lib.preset("tiny_linear", **{**F32, "num_hidden_layers": 2, "layer_types": ("kda", "mla")})

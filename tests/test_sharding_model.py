@@ -162,6 +162,8 @@ def test_sharded_step_checks_values_and_runs_an_empty_prefill(tiny):
   logits, out = step.prefill(jnp.zeros(0, jnp.int32), jnp.zeros(3, jnp.int32), cache)
   assert logits.shape == (0, tiny.cfg.vocab_size) and logits.dtype == jnp.float32
   assert out is cache
+  last, out = step.prefill(jnp.zeros(0, jnp.int32), jnp.zeros(3, jnp.int32), cache, last_only=True)
+  assert last.shape == (2, tiny.cfg.vocab_size) and np.isnan(np.asarray(last)).all() and out is cache
 
 
 # CPU compiles at XLA backend optimisation level 0 (support.fast_jit): several times faster, same ops.
