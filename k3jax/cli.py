@@ -41,8 +41,8 @@ def generate_tokens(cfg: K3Config, model: KimiK3Model, prompt: Sequence[int], ma
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   cache = init_cache(cfg, 1, len(prompt) + max_new_tokens)
   tokens = jnp.asarray(prompt, jnp.int32)
-  logits, cache = prefill(model, tokens, jnp.asarray([0, len(prompt)], jnp.int32), cache)
-  out = [int(jnp.argmax(logits[-1]))]
+  logits, cache = prefill(model, tokens, jnp.asarray([0, len(prompt)], jnp.int32), cache, last_only=True)
+  out = [int(jnp.argmax(logits[0]))]
   for _ in range(max_new_tokens - 1):
     logits, cache = decode(model, jnp.asarray(out[-1:], jnp.int32), cache)
     out.append(int(jnp.argmax(logits[0])))
