@@ -65,10 +65,12 @@ def segment_starts(cu_seqlens: jax.Array, t: int) -> jax.Array:
 def logits(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, scale: float) -> jax.Array:
   """``[H, Tq, Tk]`` f32 ``scale * (q_nope . k_nope + q_rope . k_rope)``; the rope key is never broadcast."""
   dn = k_nope.shape[-1]
-  s = jnp.einsum("qhd,khd->hqk", q[..., :dn], k_nope, precision=_HIGHEST, preferred_element_type=jnp.float32)
+  # f32 operands, not only an f32 result: XLA on a GPU lowers small dots (the blockwise path's tiles) as a
+  # multiply in the operands' dtype then an f32 sum, which rounds every bf16 product to bf16.
+  q, k_nope, k_rope = (x.astype(jnp.float32) for x in (q, k_nope, k_rope))
+  s = jnp.einsum("qhd,khd->hqk", q[..., :dn], k_nope, precision=_HIGHEST)
   if k_rope.shape[-1]:
-    s = s + jnp.einsum("qhr,kr->hqk", q[..., dn:], k_rope, precision=_HIGHEST,
-                       preferred_element_type=jnp.float32)
+    s = s + jnp.einsum("qhr,kr->hqk", q[..., dn:], k_rope, precision=_HIGHEST)
   return s * scale
 
 
