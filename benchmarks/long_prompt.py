@@ -49,8 +49,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import faulthandler
 import json
 import sys
 import time
@@ -61,7 +59,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3jax
 from benchmarks import sharded_block
-from k3jax import demo, sharding, steps
+from k3jax import demo, steps
 
 GIB = 2 ** 30
 ROW_KEYS = ("prompt_len", "chunk", "devices", "platform", "impl", "dtype", "experts", "layer_types", "hidden_size",
@@ -288,27 +286,12 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = _resolve(_parser().parse_args(argv))
-  if not args.tiny:
-    sharded_block.gpu_environment(args.cudnn_ragged_dot)
-  if args.watchdog > 0:
-    faulthandler.dump_traceback_later(args.watchdog, repeat=True)
-  # float32 dots default to TF32 on Ampere and later GPUs: bf16-like noise again.
-  precision = jax.default_matmul_precision("float32") if args.dtype == "float32" else contextlib.nullcontext()
-  try:
-    with precision:
-      return _main(args)
-  finally:
-    faulthandler.cancel_dump_traceback_later()
+  return sharded_block.run_main(_resolve(_parser().parse_args(argv)), _main)
 
 
 def _main(args: argparse.Namespace) -> int:
-  from pallas_kernels import util
-  args.impl = args.impl or ("xla" if args.dtype == "float32" else util.default_impl())
-  mesh = sharding.make_mesh(args.devices)
+  mesh, options = sharded_block.mesh_and_options(args)
   platform = mesh.devices.flat[0].platform
-  # CPU: -O0 compiles several times faster and runs the same ops (the tiny run is compile-bound).
-  options = {"xla_backend_optimization_level": 0} if platform == "cpu" else None
   cfg = sharded_block.block_config(args)
   skipped = {}
   if args.experts is None and not args.tiny and mesh.devices.flat[0].memory_stats():

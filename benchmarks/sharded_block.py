@@ -488,12 +488,13 @@ def gpu_environment(cudnn_ragged_dot: bool) -> None:
                                " --xla_gpu_experimental_use_ragged_dot_fusion=true").strip()
 
 
-def main(argv: list[str] | None = None) -> int:
-  """Runs the benchmark; returns the exit status (1 when ``--compare`` finds a difference above the tolerance)."""
-  args = _resolve(_parser().parse_args(argv))
-  # Before JAX starts its backends (no effect once they run, e.g. under pytest).
+def run_main(args: argparse.Namespace, body, *, tiny_cpu_devices: int = 1) -> int:
+  """``body(args)`` inside the block benchmarks' process setup: before JAX starts its backends (no effect once
+  they run, e.g. under pytest) the CPU devices of a tiny run or the GPU environment, a watchdog, and
+  full-precision matmuls for ``--dtype float32``."""
   if args.tiny:
-    demo.request_cpu_devices(9)
+    if tiny_cpu_devices > 1:
+      demo.request_cpu_devices(tiny_cpu_devices)
   else:
     gpu_environment(args.cudnn_ragged_dot)
   if args.watchdog > 0:
@@ -502,18 +503,29 @@ def main(argv: list[str] | None = None) -> int:
   precision = jax.default_matmul_precision("float32") if args.dtype == "float32" else contextlib.nullcontext()
   try:
     with precision:
-      return _main(args)
+      return body(args)
   finally:
     faulthandler.cancel_dump_traceback_later()
 
 
-def _main(args: argparse.Namespace) -> int:
+def mesh_and_options(args: argparse.Namespace) -> tuple[jax.sharding.Mesh, dict | None]:
+  """Resolves ``args.impl`` and returns the mesh of ``args.devices`` and the compiler options of its platform."""
   from pallas_kernels import util
   args.impl = args.impl or ("xla" if args.dtype == "float32" else util.default_impl())
   mesh = sharding.make_mesh(args.devices)
-  platform = mesh.devices.flat[0].platform
   # CPU: -O0 compiles several times faster and runs the same ops (the tiny run is compile-bound).
-  options = {"xla_backend_optimization_level": 0} if platform == "cpu" else None
+  options = {"xla_backend_optimization_level": 0} if mesh.devices.flat[0].platform == "cpu" else None
+  return mesh, options
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Runs the benchmark; returns the exit status (1 when ``--compare`` finds a difference above the tolerance)."""
+  return run_main(_resolve(_parser().parse_args(argv)), _main, tiny_cpu_devices=9)
+
+
+def _main(args: argparse.Namespace) -> int:
+  mesh, options = mesh_and_options(args)
+  platform = mesh.devices.flat[0].platform
   cfg = block_config(args)
   if args.experts is None and not args.tiny and mesh.devices.flat[0].memory_stats():
     limit = min(d.memory_stats()["bytes_limit"] for d in mesh.devices.flat)
