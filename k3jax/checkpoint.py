@@ -41,7 +41,6 @@ import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, SingleDeviceSharding
 from safetensors import SafetensorError, safe_open
 
 from k3jax import padding, progress as progress_lib
@@ -556,9 +555,7 @@ def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, conf
       raise ValueError(f"config contradicts {os.path.join(path, 'config.json')} on {{key: (config, config.json)}} "
                        f"{diff}")
     cfg = config
-  if mesh is not None and sharding_lib.MODEL not in mesh.axis_names:
-    raise ValueError(f"mesh must have the {sharding_lib.MODEL!r} axis (k3jax.sharding.make_mesh), got axes "
-                     f"{mesh.axis_names}")
+  sharding_lib.check_load_mesh(mesh)
   mxfp4 = _mxfp4_from_config(raw)
   prefix = K3_PREFIX if fmt == "kimi_k3" else ""
   ckpt = _Checkpoint(path, check_finite)
@@ -571,12 +568,8 @@ def load_hf(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, conf
   by_path = {r.path: r for r in rules}
   with _Progress(ckpt, len(flat), expected, progress) as bar:
     for path, var in flat:
-      names = var.get_metadata()["logical_axes"]
-      if mesh is None:
-        target = SingleDeviceSharding(jax.local_devices()[0])  # not devices()[0]: process 0's
-      else:
-        sharding_lib.check_divisible(".".join(map(str, path)), var.shape, names, mesh)
-        target = NamedSharding(mesh, sharding_lib.spec(*names))
+      target = sharding_lib.param_target(".".join(map(str, path)), var.shape,
+                                         var.get_metadata()["logical_axes"], mesh)
       source = _Source(by_path[path], prefix, mxfp4, bar)
       dtype = np.dtype(var.dtype)
       var.set_value(jax.make_array_from_callback(

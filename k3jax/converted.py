@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from k3jax import padding
 from k3jax import sharding as sharding_lib
@@ -204,9 +203,7 @@ def load_converted(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = Non
   where = os.path.join(path, META_ITEM)
   saved_cfg = config_from_json(meta.get("config"), where)
   cfg = config_from_json(meta.get("config"), where, **runtime)
-  if mesh is not None and sharding_lib.MODEL not in mesh.axis_names:
-    raise ValueError(f"mesh must have the {sharding_lib.MODEL!r} axis (k3jax.sharding.make_mesh), got axes "
-                     f"{mesh.axis_names}")
+  sharding_lib.check_load_mesh(mesh)
 
   ckpt = _checkpointer()
   stored = ckpt.metadata(path).item_metadata[PARAMS_ITEM].tree
@@ -226,12 +223,7 @@ def load_converted(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = Non
   targets, args = {}, {}
   for p, var in flat:
     name, shape = _name(p), tuple(var.shape)
-    if mesh is None:
-      target = SingleDeviceSharding(jax.local_devices()[0])  # not devices()[0]: process 0's
-    else:
-      names = var.get_metadata()["logical_axes"]
-      sharding_lib.check_divisible(name, shape, names, mesh)
-      target = NamedSharding(mesh, sharding_lib.spec(*names))
+    target = sharding_lib.param_target(name, shape, var.get_metadata()["logical_axes"], mesh)
     targets[name] = jax.ShapeDtypeStruct(shape, var.dtype, sharding=target)
     # strict=False lets Orbax zero-fill the padded tail; the stored shapes were checked above.
     args[name] = ocp.ArrayRestoreArgs(sharding=target, global_shape=shape, dtype=var.dtype,

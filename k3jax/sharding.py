@@ -215,6 +215,23 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> tuple[nnx.Module,
   return model, plan
 
 
+def check_load_mesh(mesh: jax.sharding.Mesh | None) -> None:
+  """A loader's ``mesh`` argument: None or a mesh with the ``"model"`` axis (``make_mesh``)."""
+  if mesh is not None and MODEL not in mesh.axis_names:
+    raise ValueError(f"mesh must have the {MODEL!r} axis (k3jax.sharding.make_mesh), got axes {mesh.axis_names}")
+
+
+def param_target(name: str, shape: tuple[int, ...], names: Sequence[str | None],
+                 mesh: jax.sharding.Mesh | None) -> jax.sharding.Sharding:
+  """Where a loader places parameter ``name`` (``shape``, logical axes ``names``): whole on this process's first
+  device without a mesh (not ``jax.devices()[0]``, which is process 0's), else split by its logical axes (a
+  split dim that does not divide raises, as in ``shard_model``)."""
+  if mesh is None:
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  check_divisible(name, shape, names, mesh)
+  return NamedSharding(mesh, spec(*names))
+
+
 def _place_across_processes(x, target: NamedSharding) -> jax.Array:
   """``x`` (the same whole array in every process) on ``target``, a sharding over several processes' devices.
 

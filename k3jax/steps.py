@@ -125,10 +125,11 @@ def _jit_steps(graphdef: nnx.GraphDef, vocab: int, shardings: tuple | None,
                   compiler_options=options))
 
 
-# One-device steps are built per model graph and reused, so that ``k3jax.prefill(model, ...)`` called again
-# with the same model (or one of the same structure) hits jax.jit's compilation cache.
-_one_device_steps = functools.lru_cache(maxsize=16)(
-    lambda graphdef, vocab: _jit_steps(graphdef, vocab, None, None))
+@functools.lru_cache(maxsize=16)
+def _one_device_steps(graphdef: nnx.GraphDef, vocab: int) -> tuple[Callable, Callable]:
+  """``_jit_steps`` on one device, built once per model graph: ``k3jax.prefill(model, ...)`` called again with
+  the same model (or one of the same structure) reuses its jitted functions and their compilations."""
+  return _jit_steps(graphdef, vocab, None, None)
 
 
 def jit_model_step(model: nnx.Module, mesh: jax.sharding.Mesh | None = None, *, vocab_size: int | None = None,
