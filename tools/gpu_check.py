@@ -95,7 +95,7 @@ PY = sys.executable
 # The test sections are bound by kernel compiles on the host's cores: pytest-xdist workers share the GPU,
 # each allocating on demand (JAX would otherwise take 75% of the GPU's memory per process). The benchmarks
 # run alone, one process at a time.
-PYTEST = (PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "4")
+PYTEST = (PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "8")
 SHARED_GPU = (("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),)
 SECTIONS = (
     Section("gpu-tests", PYTEST + ("-m", "gpu"), 420, _pytest_summary, SHARED_GPU),
