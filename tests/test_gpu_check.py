@@ -37,3 +37,10 @@ def test_benchmark_summaries_quote_peer_ratios(tmp_path: pathlib.Path):
   path.write_text("\n".join(json.dumps(dict(batch=32, context=32768, heads=h, partial="float32", time_us=t,
                                             frac_copy=f)) for h, t, f in ((16, 292.0, 0.98), (128, 600.0, 0.47))))
   assert "Hq=128 float32 600.0 us, 47% of copy" in gpu_check._mla_decode("", path)
+
+
+def test_a_single_json_line_is_one_row(tmp_path: pathlib.Path):
+  # sharded_block.py appends one JSON line per run: a file holding one run parses as one dict.
+  path = tmp_path / "sb.jsonl"
+  path.write_text(json.dumps(dict(prefill_ms=34.8, prefill_tok_s=58909.0, decode_ms=5.11, peak_gib=11.85)) + "\n")
+  assert gpu_check._sharded_block("", path) == "prefill 34.8 ms (58,909 tok/s), decode 5.11 ms/step, peak 11.8 GiB/device"

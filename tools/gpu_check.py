@@ -57,13 +57,15 @@ def _demo_summary(log: str, _: pathlib.Path) -> str:
 
 
 def _rows(path: pathlib.Path) -> list[dict]:
-  """Benchmark rows from a JSON file (a list, ``{"results": [...]}``, or JSON lines)."""
+  """Benchmark rows from a JSON file (a list, ``{"results": [...]}``, JSON lines, or one line: one row)."""
   text = path.read_text()
   try:
     data = json.loads(text)
   except json.JSONDecodeError:
     return [json.loads(ln) for ln in text.splitlines() if ln.strip()]
-  return data["results"] if isinstance(data, dict) else data
+  if isinstance(data, dict):
+    return data["results"] if "results" in data else [data]
+  return data
 
 
 def _ratio(row: dict, key: str, peer: str) -> str:
