@@ -105,27 +105,24 @@ def ours(x, lens, H: int, *, state_dtype=jnp.float32, per_seq_ckpt: int = 0, ite
   return bench(run, iters), o
 
 
-def fla(x, lens, H: int, iters: int = 20):
+def _torch_inputs(x):
+  """The shared inputs as torch tensors on the GPU: q, k, v, g_raw, β logits ``[1, T, H, ...]`` bf16, the gate
+  parameters in f32, int64 ``cu_seqlens`` and the f32 initial states ``[N, H, V, K]``."""
   import torch
-  from fla.ops.kda import chunk_kda
 
-  dev = "cuda"
-  t = lambda a, dt=torch.bfloat16: torch.from_numpy(a).to(dev).to(dt)
-  q, k, v, g = (t(x[n])[None] for n in ("q", "k", "v", "g_raw"))
-  beta = t(x["beta_raw"])[None]
-  A_log, dt_bias = t(x["A_log"], torch.float32), t(x["dt_bias"].reshape(-1), torch.float32)
-  cu = torch.from_numpy(x["cu"].astype(np.int64)).to(dev)
-  cu_cpu = torch.from_numpy(x["cu"].astype(np.int64))
-  h0 = t(x["h0"], torch.float32)
+  t = lambda a, dt=torch.bfloat16: torch.from_numpy(np.ascontiguousarray(a)).to("cuda").to(dt)
+  return dict(q=t(x["q"])[None], k=t(x["k"])[None], v=t(x["v"])[None], g=t(x["g_raw"])[None],
+              beta=t(x["beta_raw"])[None], A_log=t(x["A_log"], torch.float32),
+              dt_bias=t(x["dt_bias"], torch.float32), cu=t(x["cu"], torch.int64), h0=t(x["h0"], torch.float32))
 
-  def call():
-    return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                     use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LB,
-                     A_log=A_log, dt_bias=dt_bias, state_v_first=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+
+def _time_torch(call, name: str, iters: int):
+  """Times a torch peer as called back to back and replayed from a CUDA graph (ms; the graph time is None when
+  capture fails). Returns (as called, graph, output as f32 numpy)."""
+  import torch
 
   with torch.no_grad():
-    o, _ = call()
-    o = o[0].float().cpu().numpy()
+    o = call()[0].float().cpu().numpy()
 
     def run(n):
       for _ in range(n):
@@ -152,8 +149,47 @@ def fla(x, lens, H: int, iters: int = 20):
 
       t_graph = bench(replay, iters)
     except Exception as e:  # a capture failure leaves the as-called time as the peer's number
-      print(f"  FLA CUDA graph capture failed: {type(e).__name__}: {e}", flush=True)
+      print(f"  {name} CUDA graph capture failed: {type(e).__name__}: {e}", flush=True)
   return t_called, t_graph, o
+
+
+def fla(x, iters: int = 20):
+  """FLA's ``chunk_kda`` with the gate, β sigmoid and q/k L2 norm in its kernel, V-first f32 state."""
+  import torch
+  from fla.ops.kda import chunk_kda
+
+  a = _torch_inputs(x)
+  cu_cpu = torch.from_numpy(x["cu"].astype(np.int64))
+
+  def call():
+    o, _ = chunk_kda(a["q"], a["k"], a["v"], a["g"], a["beta"], initial_state=a["h0"], output_final_state=True,
+                     use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                     safe_gate=True, lower_bound=LB, A_log=a["A_log"], dt_bias=a["dt_bias"].reshape(-1),
+                     state_v_first=True, cu_seqlens=a["cu"], cu_seqlens_cpu=cu_cpu)
+    return o[0]
+
+  return _time_torch(call, "FLA", iters)
+
+
+def flashkda(x, iters: int = 20):
+  """FlashKDA's forward (CUTLASS; built by tools/peers/build_flashkda.sh): the same gate formula, β sigmoid
+  and q/k L2 norm inside, f32 state in and out in our ``[N, H, V, K]`` layout. Each call allocates its
+  output, final state and workspace, as its Python API does."""
+  import torch
+  import flash_kda
+
+  a = _torch_inputs(x)
+
+  def call():
+    out, final = torch.empty_like(a["v"]), torch.empty_like(a["h0"])
+    flash_kda.fwd(a["q"], a["k"], a["v"], a["g"], a["beta"], K ** -0.5, out, a["A_log"], a["dt_bias"], LB,
+                  initial_state=a["h0"], final_state=final, cu_seqlens=a["cu"])
+    return out[0]
+
+  return _time_torch(call, "FlashKDA", iters)
+
+
+PEERS = (("fla", fla), ("flashkda", flashkda))
 
 
 def profile(lens, H: int, iters: int = 10) -> dict:
@@ -211,7 +247,7 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--json", default=None)
   parser.add_argument("--commit", default="unknown")
-  parser.add_argument("--no-fla", action="store_true")
+  parser.add_argument("--skip", nargs="*", default=[], choices=[p for p, _ in PEERS], help="peers not to run")
   parser.add_argument("--watchdog", type=float, default=500.0)
   parser.add_argument("--profile", action="store_true", help="only time the two stages separately")
   parser.add_argument("--quick", action="store_true", help="no bf16-state and checkpoint rows (make gpu-check)")
@@ -225,7 +261,7 @@ def main():
       print(name, json.dumps(profile(lens, H)), flush=True)
     print("rel RMSE of o vs impl='xla' (T=1000 varlen, H=4):", check_vs_xla(), flush=True)
     return 0
-  results = []
+  results, skip = [], set(args.skip)
   for name, lens, H in (SHAPES[i] for i in args.shapes):
     x = make_inputs(lens, H)
     T, N = int(sum(lens)), len(lens)
@@ -234,16 +270,18 @@ def main():
                tflops=flops(T, H) / t_ours / 1e9,
                roofline_ms=max(flops(T, H) / PEAK_BF16_FLOPS, min_bytes(T, H, N, 4) / COPY_BYTES_PER_S) * 1e3)
     row["roofline_frac"] = row["roofline_ms"] / t_ours
-    if not args.no_fla:
+    for peer, fn in PEERS:
+      if peer in skip:
+        continue
       try:
-        t_called, t_graph, o_fla = fla(x, lens, H)
+        t_called, t_graph, o_peer = fn(x)
       except Exception as e:  # keep our numbers when the peer is missing or fails
-        print(f"  FLA failed: {type(e).__name__}: {e}", flush=True)
-        args.no_fla = True
-    if not args.no_fla:
+        print(f"  {peer} failed: {type(e).__name__}: {e}", flush=True)
+        skip.add(peer)
+        continue
       best = min(t for t in (t_called, t_graph) if t is not None)
-      row.update(fla_called_ms=t_called, fla_graph_ms=t_graph, ratio=best / t_ours,
-                 rel_rmse_vs_fla=float(np.sqrt(np.mean((o - o_fla) ** 2)) / np.sqrt(np.mean(o_fla ** 2))))
+      row.update({f"{peer}_called_ms": t_called, f"{peer}_graph_ms": t_graph, f"ratio_{peer}": best / t_ours,
+                  f"rel_rmse_vs_{peer}": float(np.sqrt(np.mean((o - o_peer) ** 2)) / np.sqrt(np.mean(o_peer ** 2)))})
     if name in (SHAPES[0][0], SHAPES[2][0]) and not args.quick:
       row["bf16_state_ms"], _ = ours(x, lens, H, state_dtype=jnp.bfloat16)
       row["ckpt1_ms"], _ = ours(x, lens, H, per_seq_ckpt=1)

@@ -32,8 +32,8 @@ def test_time_out_and_broken_summary_fail_the_section(tmp_path):
 def test_benchmark_summaries_quote_peer_ratios(tmp_path: pathlib.Path):
   path = tmp_path / "rows.json"
   path.write_text(json.dumps(dict(results=[dict(shape="N=1 T=8192 H=96", ours_ms=1.9, roofline_frac=0.5,
-                                                ratio=1.37)])))
-  assert gpu_check._kda_prefill("", path) == "N=1 T=8192 H=96 1.900 ms, 50% of roofline, 1.37x FLA"
+                                                ratio_fla=1.37, ratio_flashkda=0.74)])))
+  assert gpu_check._kda_prefill("", path) == "N=1 T=8192 H=96 1.900 ms, 50% of roofline, 1.37x FLA, 0.74x FlashKDA"
   path.write_text("\n".join(json.dumps(dict(batch=32, context=32768, heads=h, partial="float32", time_us=t,
                                             frac_copy=f)) for h, t, f in ((16, 292.0, 0.98), (128, 600.0, 0.47))))
   assert "Hq=128 float32 600.0 us, 47% of copy" in gpu_check._mla_decode("", path)
@@ -43,4 +43,5 @@ def test_a_single_json_line_is_one_row(tmp_path: pathlib.Path):
   # sharded_block.py appends one JSON line per run: a file holding one run parses as one dict.
   path = tmp_path / "sb.jsonl"
   path.write_text(json.dumps(dict(prefill_ms=34.8, prefill_tok_s=58909.0, decode_ms=5.11, peak_gib=11.85)) + "\n")
-  assert gpu_check._sharded_block("", path) == "prefill 34.8 ms (58,909 tok/s), decode 5.11 ms/step, peak 11.8 GiB/device"
+  assert gpu_check._sharded_block("", path) == ("prefill 34.8 ms (58,909 tok/s), decode 5.11 ms/step, "
+                                                "peak 11.8 GiB/device")

@@ -78,7 +78,7 @@ def _each(fmt: Callable[[dict], str]) -> Callable[[str, pathlib.Path], str]:
 
 
 _kda_prefill = _each(lambda r: f"{r['shape']} {r['ours_ms']:.3f} ms, {r['roofline_frac']:.0%} of roofline"
-                               f"{_ratio(r, 'ratio', 'FLA')}")
+                               f"{_ratio(r, 'ratio_fla', 'FLA')}{_ratio(r, 'ratio_flashkda', 'FlashKDA')}")
 _kda_decode = _each(lambda r: f"N={r['N']} H={r['H']} {r['state']} {r['ours_us']:.1f} us, "
                               f"{r['copy_frac']:.0%} of copy{_ratio(r, 'vs_fla', 'FLA')}")
 _short_conv = _each(lambda r: f"{r['phase']} N={r['N']} H={r['H']} {r['conv_us']:.1f} us, "
