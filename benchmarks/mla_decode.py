@@ -14,6 +14,20 @@ Mosaic GPU kernel: the fused ``merge_partials`` (nothing when S = 1). ``of call`
 device time: the most a merge kernel could save (issue [5/9] item 3 asks for one only if it measures faster).
 Printed as ``-`` where CUPTI is not available (interpret mode on a CPU).
 
+``TFLOP/s`` counts ``2 * B * Hq * context * (576 + 512)`` FLOPs per call (QK^T over 576, PV over 512).
+
+Peer: FlashMLA (deepseek-ai/FlashMLA 9241ae3, its sm90a dense bf16 decode through its own
+``flash_mla_with_kvcache``), in the same process on the same GPU, reading the same cache memory through the same
+block table with the same q, lengths and scale (the JAX arrays reach torch through DLPack, no copy). ``fmla us`` is
+its time per call as called (timed like ours) and ``graph us`` under CUDA-graph replay; ``vs ours`` is the better
+of the two over our time (above 1: ours is faster); ``rel err`` is the relative RMS difference of its output from
+ours. Its scheduling metadata is computed once per shape, outside the timed calls, as a serving stack computes it
+once per batch for all layers. Build it first (a few minutes; needs torch with CUDA, nvcc, ninja)::
+
+  bash tools/peers/build_flashmla.sh && PYTHONPATH=.:/tmp/peers/flashmla python3 benchmarks/mla_decode.py
+
+Without it (or with ``--no-flashmla``) the script prints why and times ours alone.
+
 The full grid (54 kernel configurations, each compiled once) takes about five minutes on the H200; pass
 ``--batch/--context/--heads`` subsets to split it over several calls.
 """
@@ -22,38 +36,123 @@ import argparse
 import faulthandler
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # FlashMLA's torch shares the GPU in this process
 
-from benchmarks._harness import cupti_kernels
-from pallas_kernels.mla import MlaDecodeConfig, api, default_tuning, mla_decode
-from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM
-from pallas_kernels.testing import K3_MLA_SCALE
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks._harness import cupti_kernels  # noqa: E402
+from pallas_kernels.mla import MlaDecodeConfig, api, default_tuning, mla_decode  # noqa: E402
+from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM  # noqa: E402
+from pallas_kernels.testing import K3_MLA_SCALE  # noqa: E402
 
 DIM = LATENT_DIM + ROPE_DIM
 XLA_MAX_TOKENS = 1 << 20
 WATCHDOG_S = 120  # a deadlocked kernel blocks forever; dump the stacks and exit instead
+GRAPH_CALLS = 10  # FlashMLA calls per captured CUDA graph: one replay's launch cost is spread over them
 
 
-def time_call(f, *args, budget_s: float = 0.25, reps: int = 3) -> float:
-  """Median seconds per call of ``f(*args)`` over ``reps`` runs of back-to-back calls (after a warm-up)."""
-  jax.block_until_ready(f(*args))
+def time_call(f, *args, budget_s: float = 0.25, reps: int = 3, sync=jax.block_until_ready) -> float:
+  """Median seconds per call of ``f(*args)`` over ``reps`` runs of back-to-back calls (after a warm-up);
+  ``sync(out)`` waits for the device (for torch: ``torch.cuda.synchronize``)."""
+  sync(f(*args))
   t = time.perf_counter()
-  jax.block_until_ready(f(*args))
+  sync(f(*args))
   iters = int(np.clip(budget_s / max(time.perf_counter() - t, 1e-6), 3, 200))
   samples = []
   for _ in range(reps):
     t = time.perf_counter()
     for _ in range(iters):
       out = f(*args)
-    jax.block_until_ready(out)
+    sync(out)
     samples.append((time.perf_counter() - t) / iters)
   return statistics.median(samples)
+
+
+def decode_flops(batch: int, heads: int, context: int) -> int:
+  """FLOPs of one decode step: QK^T over the 576 latent + rope columns, PV over the 512 latent ones."""
+  return 2 * batch * heads * context * (DIM + LATENT_DIM)
+
+
+def rel_rms(a: np.ndarray, ref: np.ndarray) -> float:
+  a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+  return float(np.sqrt(np.mean((a - ref) ** 2) / np.mean(ref ** 2)))
+
+
+def flashmla_skip_reason() -> str | None:
+  """Why FlashMLA cannot run in this process (None: run it)."""
+  if jax.devices()[0].platform != "gpu":
+    return f"the {jax.devices()[0].platform} backend (FlashMLA needs a Hopper GPU)"
+  try:
+    import flash_mla  # built by tools/peers/build_flashmla.sh, its directory on PYTHONPATH
+    import torch
+  except Exception as e:  # ImportError, or a build that does not load (an undefined symbol)
+    return f"import flash_mla failed ({type(e).__name__}: {e}); build it with tools/peers/build_flashmla.sh"
+  if not hasattr(flash_mla.cuda, "dense_decode_fwd"):
+    return f"{flash_mla.cuda.__file__} has no dense decode"
+  if not torch.cuda.is_available():
+    return "torch sees no CUDA device"
+  return None
+
+
+def to_torch(x: jax.Array):
+  """A JAX GPU array as a torch CUDA tensor on the same memory through DLPack (the cache is tens of GiB), else
+  a copy through the host."""
+  import torch
+
+  jax.block_until_ready(x)  # torch's kernels run on its own stream, unordered with JAX's
+  try:
+    return torch.from_dlpack(x)
+  except Exception as e:  # an exporter that refuses: slower, twice the memory, the same values
+    print(f"  DLPack {x.shape} failed ({type(e).__name__}: {e}); copying through the host", flush=True)
+    a = np.asarray(x)
+    if a.dtype == jnp.bfloat16:  # NumPy's bf16 (ml_dtypes) is unknown to torch: move the bits
+      return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16).cuda()
+    return torch.from_numpy(a).cuda()
+
+
+def time_flashmla(q, cache, table, lens) -> tuple[float, float | None, np.ndarray]:
+  """FlashMLA's dense decode on our inputs: (seconds per call as called, per call under CUDA-graph replay or None
+  where capture fails, its output ``[B, Hq, 512]`` as f32)."""
+  import flash_mla
+  import torch
+
+  q_t = to_torch(q).unsqueeze(1)  # [B, s_q = 1, Hq, 576]
+  cache_t = to_torch(cache).unsqueeze(2)  # [pages, 64, h_kv = 1, 576]: the same pages, the same bytes
+  table_t, lens_t = to_torch(table), to_torch(lens)  # int32, as FlashMLA requires
+  # The first call with a fresh FlashMLASchedMeta runs FlashMLA's scheduling-metadata kernel (splits per SM part
+  # from the lengths) and keeps its result; later calls reuse it. A serving stack computes it once per batch and
+  # shares it by every layer, so it is computed here, before the timed calls, and is not in their time.
+  meta, _ = flash_mla.get_mla_metadata()
+
+  def call():
+    return flash_mla.flash_mla_with_kvcache(q_t, cache_t, table_t, lens_t, LATENT_DIM, meta,
+                                            softmax_scale=K3_MLA_SCALE, causal=False)[0]
+
+  o = call()[:, 0].float().cpu().numpy()
+  sync = lambda _: torch.cuda.synchronize()
+  called = time_call(call, sync=sync)
+  graph_s = None
+  try:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up on a side stream before capture, as torch.cuda.graph asks
+      call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+      for _ in range(GRAPH_CALLS):
+        call()
+    graph_s = time_call(graph.replay, sync=sync) / GRAPH_CALLS
+  except Exception as e:  # a capture failure leaves the as-called time as FlashMLA's number
+    print(f"  FlashMLA CUDA graph capture failed: {type(e).__name__}: {e}", flush=True)
+  return called, graph_s, o
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> tuple[float, float]:
@@ -86,8 +185,12 @@ def main() -> None:
   parser.add_argument("--impl", default="pallas", help="'interpret' smoke-tests the script on a CPU")
   parser.add_argument("--copy-gib", type=float, default=2.0, help="array size of the copy measurement")
   parser.add_argument("--json", help="also append one JSON line per measurement to this file")
+  parser.add_argument("--no-flashmla", action="store_true", help="time ours alone, without the FlashMLA column")
   args = parser.parse_args()
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
+  flashmla_skip = "--no-flashmla" if args.no_flashmla else flashmla_skip_reason()
+  if flashmla_skip:
+    print(f"FlashMLA: skipped: {flashmla_skip}", flush=True)
   copy_tbs, read_tbs = copy_bandwidth(int(args.copy_gib * 2**30))
   print(f"copy bandwidth {copy_tbs:.2f} TB/s (read + write, {args.copy_gib:g} GiB jnp.copy); "
         f"read-only reduction {read_tbs:.2f} TB/s", flush=True)
@@ -98,7 +201,8 @@ def main() -> None:
   order = jax.random.permutation(kp, num_pages).astype(jnp.int32)
   print(f"cache {num_pages} pages ({cache.nbytes / 2**30:.1f} GiB)\n", flush=True)
   header = (f"{'B':>4} {'ctx':>7} {'Hq':>4} {'partial':>8} {'splits':>6} {'time us':>9} {'TB/s':>6} "
-            f"{'of copy':>7} {'merge us':>9} {'of call':>7} {'xla us':>9} {'speedup':>7}")
+            f"{'of copy':>7} {'merge us':>9} {'of call':>7} {'xla us':>9} {'speedup':>7} {'TFLOP/s':>7} "
+            f"{'fmla us':>9} {'graph us':>9} {'vs ours':>7} {'rel err':>8}")
   print(header, flush=True)
   out = open(args.json, "a") if args.json else None
   for batch, context, heads in itertools.product(args.batch, args.context, args.heads):
@@ -112,6 +216,15 @@ def main() -> None:
       faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
       xla = jax.jit(lambda *a: mla_decode(*a, config=MlaDecodeConfig(scale=K3_MLA_SCALE, impl="xla")))
       xla_s = time_call(xla, q, cache, table, lens)
+    fmla = None  # (as called s, graph replay s or None, output) of FlashMLA on this shape
+    if not flashmla_skip:
+      faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+      try:
+        fmla = time_flashmla(q, cache, table, lens)
+      except Exception as e:  # keep our numbers when FlashMLA fails; it is not tried again
+        flashmla_skip = f"failed: {type(e).__name__}: {e}"
+        print(f"FlashMLA {flashmla_skip}; timing ours alone from here", flush=True)
+    flops = decode_flops(batch, heads, context)
     for partial in (jnp.bfloat16, jnp.float32):
       faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
       config = MlaDecodeConfig(scale=K3_MLA_SCALE, partial_dtype=partial, impl=args.impl)
@@ -123,10 +236,22 @@ def main() -> None:
       merge_txt = f"{merge[0]:9.1f} {merge[1]:7.1%}" if merge else f"{'-':>9} {'-':>7}"
       row = dict(batch=batch, context=context, heads=heads, partial=jnp.dtype(partial).name, splits=splits,
                  time_us=sec * 1e6, tbs=tbs, frac_copy=tbs / copy_tbs, merge_us=merge and merge[0],
-                 merge_frac=merge and merge[1], xla_us=None if xla_s is None else xla_s * 1e6)
+                 merge_frac=merge and merge[1], xla_us=None if xla_s is None else xla_s * 1e6,
+                 tflops=flops / sec / 1e12, flashmla_us=None, flashmla_called_us=None, flashmla_graph_us=None,
+                 flashmla_tflops=None, ratio_flashmla=None, flashmla_rel_err=None)
       xla_txt = f"{xla_s * 1e6:9.1f} {xla_s / sec:6.1f}x" if xla_s is not None else f"{'-':>9} {'-':>7}"
+      fmla_txt = f"{'-':>9} {'-':>9} {'-':>7} {'-':>8}"
+      if fmla:
+        called, graph, o_fmla = fmla
+        best = min(t for t in (called, graph) if t is not None)
+        o_ours = np.asarray(f(q, cache, table, lens)[0].astype(jnp.float32))
+        row.update(flashmla_us=best * 1e6, flashmla_called_us=called * 1e6,
+                   flashmla_graph_us=None if graph is None else graph * 1e6, flashmla_tflops=flops / best / 1e12,
+                   ratio_flashmla=best / sec, flashmla_rel_err=rel_rms(o_fmla, o_ours))
+        graph_txt = f"{graph * 1e6:9.1f}" if graph is not None else f"{'-':>9}"
+        fmla_txt = f"{called * 1e6:9.1f} {graph_txt} {best / sec:6.2f}x {row['flashmla_rel_err']:8.1e}"
       print(f"{batch:4d} {context:7d} {heads:4d} {row['partial']:>8} {splits:6d} {sec * 1e6:9.1f} {tbs:6.2f} "
-            f"{tbs / copy_tbs:7.0%} {merge_txt} {xla_txt}", flush=True)
+            f"{tbs / copy_tbs:7.0%} {merge_txt} {xla_txt} {row['tflops']:7.1f} {fmla_txt}", flush=True)
       if out:
         out.write(json.dumps(row) + "\n")
         out.flush()

@@ -35,8 +35,11 @@ def test_benchmark_summaries_quote_peer_ratios(tmp_path: pathlib.Path):
                                                 ratio_fla=1.37, ratio_flashkda=0.74)])))
   assert gpu_check._kda_prefill("", path) == "N=1 T=8192 H=96 1.900 ms, 50% of roofline, 1.37x FLA, 0.74x FlashKDA"
   path.write_text("\n".join(json.dumps(dict(batch=32, context=32768, heads=h, partial="float32", time_us=t,
-                                            frac_copy=f)) for h, t, f in ((16, 292.0, 0.98), (128, 600.0, 0.47))))
-  assert "Hq=128 float32 600.0 us, 47% of copy" in gpu_check._mla_decode("", path)
+                                            frac_copy=f, ratio_flashmla=r))
+                            for h, t, f, r in ((16, 292.0, 0.98, None), (128, 600.0, 0.47, 0.87))))
+  summary = gpu_check._mla_decode("", path)
+  assert "Hq=16 float32 292.0 us, 98% of copy;" in summary
+  assert summary.endswith("Hq=128 float32 600.0 us, 47% of copy, 0.87x FlashMLA")
 
 
 def test_a_single_json_line_is_one_row(tmp_path: pathlib.Path):
