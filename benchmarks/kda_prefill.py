@@ -12,6 +12,7 @@ import argparse
 import faulthandler
 import functools
 import json
+import os
 import sys
 import time
 
@@ -23,6 +24,10 @@ from benchmarks._harness import COPY_BYTES_PER_S, PEAK_BF16_FLOPS
 from pallas_kernels import kda
 from pallas_kernels.kda.config import CHUNK_SIZE as C
 from pallas_kernels.testing import kda_gate_params, kda_inputs
+
+# FLA's chunk_kda hands its call to FlashKDA when that is importable (its backend dispatch): the FLA column
+# measures FLA's own Triton kernels, and FlashKDA has its own column.
+os.environ["FLA_FLASH_KDA"] = "0"
 
 K = V = 128
 LB = -5.0
@@ -117,12 +122,12 @@ def _torch_inputs(x):
 
 
 def _time_torch(call, name: str, iters: int):
-  """Times a torch peer as called back to back and replayed from a CUDA graph (ms; the graph time is None when
-  capture fails). Returns (as called, graph, output as f32 numpy)."""
+  """Times a torch peer (``call() -> o [T, H, V]``) as called back to back and replayed from a CUDA graph (ms;
+  the graph time is None when capture fails). Returns (as called, graph, ``o`` as f32 numpy)."""
   import torch
 
   with torch.no_grad():
-    o = call()[0].float().cpu().numpy()
+    o = call().float().cpu().numpy()
 
     def run(n):
       for _ in range(n):
