@@ -224,9 +224,8 @@ def fit_experts(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Nam
     _log(f"memory fit: compiling {kind} for {cfg.num_experts} experts on abstract parameters")
     # Prefill: the logits the run asks for, every token's or each sequence's last (long_prompt.py).
     last_only = (getattr(args, "last_only", False),) if kind == "prefill" else ()
-    fn = step.prefill_jit if kind == "prefill" else step.decode_jit
     with jax.set_mesh(mesh):
-      ma = fn.lower(step.state, *args_, cache, *last_only).compile().memory_analysis()
+      ma = step.lowered(kind, *args_, cache, *last_only).compile().memory_analysis()
     jax.tree.map(lambda x: x.delete(), cache)
     peaks[kind] = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
                    + ma.temp_size_in_bytes)

@@ -5,7 +5,7 @@ Layout (one ``ModelCache`` for the whole model; ``N`` sequences, ``P`` pool slot
 * per KDA layer, ``KdaState``: ``recurrent [P, H, V, K]`` in ``state_dtype`` (V-first, as the KDA ops) and
   ``conv_q`` / ``conv_k`` / ``conv_v [P, W - 1, H*K]`` in ``conv_dtype`` (the last ``W - 1`` pre-conv rows).
 * per MLA layer, ``kv [pages, 64, R + dr]`` in ``cache_dtype``: row = ``[kv_a_layernorm(c) | k_pe]``.
-* shared: ``state_indices [N]`` (pool slot of each sequence), ``block_table [N, max_pages]`` (page ids of
+* shared: ``state_indices [N]`` (pool slot of each sequence; -1: an idle row that decode skips), ``block_table [N, max_pages]`` (page ids of
   each sequence), ``seq_lens [N]`` (tokens cached per sequence).
 
 Slots and pages are handed out on the host by ``SlotAllocator``; the device arrays only see their ids.
@@ -49,6 +49,68 @@ class ModelCache:
     return dataclasses.replace(self, **changes)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Checkpoints:
+  """Where a prefill saves KDA checkpoint states (every KDA layer's recurrent and conv states), as CSR over the
+  batch's sequences: sequence n's checkpoints are entries ``indptr[n]:indptr[n + 1]``.
+
+  Attributes:
+    indptr: ``[N + 1]`` int32, non-decreasing from 0 to M.
+    offsets: ``[M]`` int32 token counts from the start of the sequence's *new* tokens, multiples of 64 in
+      ``(0, L_n]``: the states after ``seq_lens[n] + offsets[i]`` tokens go to ``slots[i]``.
+    slots: ``[M]`` int32 pool slots (-1: skip); distinct, and none of them a slot this prefill reads or writes
+      as a sequence's state.
+  """
+
+  indptr: jax.Array
+  offsets: jax.Array
+  slots: jax.Array
+
+  @classmethod
+  def from_lists(cls, per_seq: list[list[tuple[int, int]]]) -> Checkpoints:
+    """From ``per_seq[n] = [(offset, slot), ...]`` for each sequence of the batch."""
+    flat = [pair for seq in per_seq for pair in seq]
+    indptr = np.concatenate([[0], np.cumsum([len(seq) for seq in per_seq])])
+    offsets, slots = (np.asarray([pair[i] for pair in flat], np.int32) for i in (0, 1))
+    return cls(jnp.asarray(indptr, jnp.int32), jnp.asarray(offsets), jnp.asarray(slots))
+
+
+def copy_slots(cache: ModelCache, src: jax.Array, dst: jax.Array) -> ModelCache:
+  """Every KDA layer's recurrent and conv states of pool slot ``src[i]`` copied into slot ``dst[i]``.
+
+  What a prefix-cache hit does before prefilling the rest of a prompt: the sequence continues from a copy of a
+  checkpoint, so the checkpoint stays intact for the next hit. ``src``, ``dst``: ``[M]`` int32 slots in
+  ``[0, P)``, ``dst`` distinct and disjoint from ``src`` (checked by ``check_copy_slots`` when concrete).
+  """
+
+  def copy(pool: jax.Array) -> jax.Array:
+    return pool.at[dst].set(pool[src], unique_indices=True)
+
+  return cache.replace(kda=tuple(jax.tree.map(copy, state) for state in cache.kda))
+
+
+def check_copy_slots(cache: ModelCache, src: jax.Array, dst: jax.Array) -> None:
+  """``copy_slots``'s arguments: ``[M]`` int32 each; when concrete, slots in ``[0, P)``, ``dst`` distinct and
+  disjoint from ``src``.
+
+  Raises:
+    ValueError: naming the argument, what was expected and what was given.
+  """
+  num_slots = cache.kda[0].recurrent.shape[0] if cache.kda else 0
+  for name, x in (("src", src), ("dst", dst)):
+    util.check_shape(name, x, (src.shape[0],))
+    util.check_dtype(name, x, (jnp.int32,))
+    v = util.concrete(x)
+    if v is not None and v.size and (v.min() < 0 or v.max() >= num_slots):
+      raise ValueError(f"{name} must be pool slots in [0, P = {num_slots}), got values in [{v.min()}, {v.max()}]")
+  s, d = util.concrete(src), util.concrete(dst)
+  if d is not None and len(set(d.tolist())) != d.size:
+    raise ValueError(f"dst must be distinct slots, got {d.tolist()}")
+  if s is not None and d is not None and set(s.tolist()) & set(d.tolist()):
+    raise ValueError(f"dst must not overlap src, got src {s.tolist()} and dst {d.tolist()}")
+
+
 class SlotAllocator:
   """Host-side free list of ``num`` ids (KDA pool slots or MLA pages), lowest ids first."""
 
@@ -78,7 +140,7 @@ class SlotAllocator:
 
 def init_cache(cfg: K3Config, num_seqs: int, max_seq_len: int, *, num_slots: int | None = None,
                num_pages: int | None = None, slots: SlotAllocator | None = None,
-               pages: SlotAllocator | None = None, fill: float = 0.0) -> ModelCache:
+               pages: SlotAllocator | None = None, fill: float = 0.0, idle: bool = False) -> ModelCache:
   """An empty cache for ``num_seqs`` sequences of up to ``max_seq_len`` tokens.
 
   Args:
@@ -88,17 +150,23 @@ def init_cache(cfg: K3Config, num_seqs: int, max_seq_len: int, *, num_slots: int
     num_slots: KDA pool size P (default N). num_pages: MLA pages (default N * pages per sequence).
     slots, pages: allocators to draw from (default: fresh ones of ``num_slots`` / ``num_pages``).
     fill: value of every pool/cache element at start (tests poison unused slots with NaN).
+    idle: every row starts idle (``state_indices`` and ``block_table`` all -1; nothing allocated), for a
+      scheduler that hands slots and pages out per request (``k3jax.serving``).
 
   Returns:
-    A ``ModelCache`` with ``seq_lens = 0``; sequence n owns the slot and pages the allocators gave it.
+    A ``ModelCache`` with ``seq_lens = 0``; sequence n owns the slot and pages the allocators gave it (none when
+    ``idle``).
   """
   if num_seqs < 1 or max_seq_len < 1:
     raise ValueError(f"num_seqs and max_seq_len must be >= 1, got {num_seqs} and {max_seq_len}")
   max_pages = util.cdiv(max_seq_len, PAGE_SIZE)
   slots = slots or SlotAllocator(num_slots or num_seqs)
   pages = pages or SlotAllocator(num_pages or num_seqs * max_pages)
-  state_indices = np.asarray(slots.allocate(num_seqs), np.int32)
-  block_table = np.asarray(pages.allocate(num_seqs * max_pages), np.int32).reshape(num_seqs, max_pages)
+  if idle:
+    state_indices, block_table = np.full(num_seqs, -1, np.int32), np.full((num_seqs, max_pages), -1, np.int32)
+  else:
+    state_indices = np.asarray(slots.allocate(num_seqs), np.int32)
+    block_table = np.asarray(pages.allocate(num_seqs * max_pages), np.int32).reshape(num_seqs, max_pages)
   h, k, w = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size
   p = slots.num
 

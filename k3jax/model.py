@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax import dcp, nn_util
-from k3jax.cache import KdaState, ModelCache
+from k3jax import dcp, nn_util, sharding
+from k3jax.cache import Checkpoints, KdaState, ModelCache
 from k3jax.config import KDA, MLA, PAGE_SIZE, K3Config
 from k3jax.layers.attn_res import AttnResSite
 from k3jax.layers.kda import KdaLayer
@@ -39,7 +39,8 @@ def _check_token_ids(tokens: jax.Array, vocab_size: int) -> None:
                      f"[{ids.min()}, {ids.max()}]")
 
 
-def check_prefill_inputs(tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache, *, vocab_size: int) -> None:
+def check_prefill_inputs(tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache, *, vocab_size: int,
+                         checkpoints: Checkpoints | None = None) -> None:
   """The arguments of ``KimiK3Model.prefill``: shapes and dtypes always, index values when they are concrete.
 
   Values are checked on the host (``cache.seq_lens`` is copied from the device) only for concrete arrays, so
@@ -50,6 +51,8 @@ def check_prefill_inputs(tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelC
     cu_seqlens: ``[N + 1]`` int32, non-decreasing from 0 to T, ``N`` the cache's sequences.
     cache: ``ModelCache``; ``seq_lens[n] + L_n`` must fit its capacity (``dcp.capacity`` on the ambient mesh).
     vocab_size: the real vocabulary (a padded model's ``cfg.vocab_size`` counts padding rows).
+    checkpoints: ``Checkpoints`` or None: offsets multiples of 64 in ``(0, L_n]``, slots in ``[-1, P)``,
+      distinct and none of them any sequence's ``state_indices`` entry.
 
   Raises:
     ValueError: naming the argument, what was expected and what was given.
@@ -70,6 +73,49 @@ def check_prefill_inputs(tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelC
     if total.max(initial=0) > limit:
       raise ValueError(f"cu_seqlens must give lengths that fit the cache capacity {limit} after the cached "
                        f"tokens {None if cached is None else cached.tolist()}, got {cu.tolist()}")
+    slots = util.concrete(cache.state_indices)
+    if slots is not None and ((slots < 0) & (np.diff(cu) > 0)).any():
+      raise ValueError(f"cu_seqlens must give no tokens to idle rows (cache.state_indices -1), got lengths "
+                       f"{np.diff(cu).tolist()} for state_indices {slots.tolist()}")
+    _check_pages_held(cache, total)
+  if checkpoints is not None:
+    _check_checkpoints(t, cu_seqlens, cache, checkpoints)
+
+
+def _check_checkpoints(t: int, cu_seqlens: jax.Array, cache: ModelCache, ckpt: Checkpoints) -> None:
+  """``check_prefill_inputs``'s checks of ``checkpoints`` (the KDA ops' own index checks, on the model's pool)."""
+  if not cache.kda:
+    raise ValueError("checkpoints need KDA layers: this model has none (cfg.layer_types)")
+  num_slots = cache.kda[0].recurrent.shape[0]
+  cu, seq_slots = util.concrete(cu_seqlens), util.concrete(cache.state_indices)
+  # The slots this prefill writes as sequence states: those of sequences with new tokens.
+  state_indices = (cache.state_indices if cu is None or seq_slots is None
+                   else jnp.asarray(np.where(np.diff(cu) > 0, seq_slots, -1), jnp.int32))
+  checks.check_prefill_indices(
+      t, num_slots, "cache.kda[l].recurrent", cu_seqlens=cu_seqlens, state_indices=state_indices,
+      has_initial_state=cache.seq_lens > 0, checkpoint_indptr=ckpt.indptr, checkpoint_offsets=ckpt.offsets,
+      checkpoint_slots=ckpt.slots, int_dtypes=(jnp.int32,), chunk_size=PAGE_SIZE)
+  # A checkpoint written into an idle sequence's slot would overwrite that sequence's state.
+  ck = util.concrete(ckpt.slots)
+  if ck is not None and seq_slots is not None and set(ck.tolist()) & set(seq_slots.tolist()):
+    raise ValueError(f"checkpoints.slots must not be any sequence's slot (cache.state_indices "
+                     f"{seq_slots.tolist()}), got {ck.tolist()}")
+
+
+def _check_pages_held(cache: ModelCache, lengths: np.ndarray, active: np.ndarray | None = None) -> None:
+  """When concrete, the block-table entries of the pages that sequences of ``lengths`` tokens occupy are page ids
+  (>= 0) in the rows ``active`` marks (>= 0; default every row): a row may end in -1 past its pages (a
+  scheduler's unallocated tail; writes there are dropped), and the attention would read outside the cache."""
+  table = util.concrete(cache.block_table)
+  if table is None or not cache.mla:
+    return
+  mesh = sharding.ambient_mesh()
+  n = 1 if mesh is None else sharding.mesh_size(mesh)
+  for row, length in enumerate(lengths.tolist()):
+    used = table[row, :dcp.pages_per_device(length, n)]
+    if (active is None or active[row] >= 0) and (used < 0).any():
+      raise ValueError(f"block_table[{row}] must hold page ids >= 0 for the {used.size} pages of its {length} "
+                       f"tokens, got {used.tolist()}")
 
 
 def check_decode_inputs(tokens: jax.Array, cache: ModelCache, *, vocab_size: int) -> None:
@@ -92,6 +138,8 @@ def check_decode_inputs(tokens: jax.Array, cache: ModelCache, *, vocab_size: int
   if cached is not None and cached.max(initial=0) >= limit:
     raise ValueError(f"cache.seq_lens must be < the cache capacity {limit} (room for one more token per "
                      f"sequence), got {cached.tolist()}")
+  if cached is not None:
+    _check_pages_held(cache, cached + 1, active=util.concrete(cache.state_indices))
 
 
 class DecoderLayer(nnx.Module):
@@ -205,7 +253,7 @@ class KimiK3Model(nnx.Module):
     return logits, cache.replace(kda=tuple(entries[KDA]), mla=tuple(entries[MLA]))
 
   def prefill(self, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache, *,
-              last_only: bool = False) -> tuple[jax.Array, ModelCache]:
+              last_only: bool = False, checkpoints: Checkpoints | None = None) -> tuple[jax.Array, ModelCache]:
     """Prefill of a packed varlen batch; sequence n of the batch extends sequence n of the cache.
 
     A sequence with ``seq_lens[n] == 0`` starts fresh; one with cached tokens continues from them (chunked
@@ -221,6 +269,8 @@ class KimiK3Model(nnx.Module):
       last_only: return only each sequence's last new token's logits, ``[N, vocab]`` (NaN rows for sequences
         with ``L_n = 0``). What a server needs to sample; at long T the full ``[T, vocab]`` f32 logits are the
         largest array of the step (a 128K-token prompt at vocab 163840: 80 GiB).
+      checkpoints: ``Checkpoints`` or None: every KDA layer also writes its recurrent and conv states after
+        the given offsets into the given pool slots (what ``k3jax.prefix_cache`` keeps for later prompts).
 
     Returns:
       ``logits [T, vocab]`` (``[N, vocab]`` with ``last_only``) f32 and the updated cache (``seq_lens + L``;
@@ -230,7 +280,7 @@ class KimiK3Model(nnx.Module):
       ValueError: from ``check_prefill_inputs``; index values only when they are concrete (``k3jax.prefill``
         checks them before its jit).
     """
-    check_prefill_inputs(tokens, cu_seqlens, cache, vocab_size=self.cfg.vocab_size)
+    check_prefill_inputs(tokens, cu_seqlens, cache, vocab_size=self.cfg.vocab_size, checkpoints=checkpoints)
     t = tokens.shape[0]
     if t == 0:
       # Every L_n is 0: no sequence changes, and no layer has a row to run on.
@@ -244,7 +294,7 @@ class KimiK3Model(nnx.Module):
 
     def kda_fn(attn: KdaLayer, h, state: KdaState):
       return attn.prefill(h, state, cu_seqlens=cu_seqlens, state_indices=slots,
-                          has_initial_state=has_initial_state)
+                          has_initial_state=has_initial_state, checkpoints=checkpoints)
 
     def mla_fn(attn: MlaLayer, h, kv):
       return attn.prefill(h, kv, seq=seq, pos=pos, block_table=cache.block_table, prefix_lens=cache.seq_lens)
@@ -260,22 +310,26 @@ class KimiK3Model(nnx.Module):
 
     Args:
       tokens: ``[N]`` int32 ids in ``[0, vocab_size)``. cache: ``ModelCache`` (every sequence must have room for
-        one more token).
+        one more token). An idle row (``state_indices[n] == -1``, e.g. one ``k3jax.serving`` has not admitted a
+        request into) is skipped: nothing of it is read or written.
 
     Returns:
-      ``logits [N, vocab]`` f32 and the updated cache (``seq_lens + 1``).
+      ``logits [N, vocab]`` f32 (NaN rows for idle rows) and the updated cache (``seq_lens + 1`` for the
+      active rows).
 
     Raises:
       ValueError: from ``check_decode_inputs``; index values only when they are concrete (``k3jax.decode``
         checks them before its jit).
     """
     check_decode_inputs(tokens, cache, vocab_size=self.cfg.vocab_size)
+    active = cache.state_indices >= 0
 
     def kda_fn(attn: KdaLayer, h, state: KdaState):
       return attn.decode(h, state, state_indices=cache.state_indices)
 
     def mla_fn(attn: MlaLayer, h, kv):
-      return attn.decode(h, kv, block_table=cache.block_table, seq_lens=cache.seq_lens)
+      return attn.decode(h, kv, block_table=cache.block_table, seq_lens=cache.seq_lens, active=active)
 
     logits, cache = self._run(tokens, cache, kda_fn, mla_fn)
-    return logits, cache.replace(seq_lens=cache.seq_lens + 1)
+    logits = jnp.where(active[:, None], logits, jnp.nan)
+    return logits, cache.replace(seq_lens=cache.seq_lens + active.astype(jnp.int32))

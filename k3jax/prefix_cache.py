@@ -12,8 +12,8 @@ What an entry (one cached boundary of ``b`` tokens) holds:
   recurrent state after ``b`` tokens) and ``cache.kda[l].conv_q/conv_k/conv_v[slot]`` (the conv states after
   ``b`` tokens). A prefill writes it by passing the slot as a ``checkpoint_slots`` entry, at checkpoint offset
   ``b - start``, to ``kda_prefill`` and to the three ``short_conv_prefill`` calls of every KDA layer.
-* the ``b // 64`` MLA page ids holding the latent rows of tokens ``[0, b)`` (the same ids in every MLA layer, as
-  ``block_table``). Each entry holds a reference to every page of its prefix; so do the live sequences that
+* the ``b // page_tokens`` MLA page ids holding the latent rows of tokens ``[0, b)`` (the same ids in every MLA
+  layer, as ``block_table``; ``page_tokens`` is 64, or ``64 * devices`` on a DCP cache). Each entry holds a reference to every page of its prefix; so do the live sequences that
   read them (through ``PagePool``): a page is freed only when no entry and no sequence references it.
 
 Entries are independent (each has its own slot and references all of its pages), so any unpinned one may be
@@ -65,10 +65,11 @@ def _count(name: str, value, minimum: int) -> int:
   return int(value)
 
 
-def _interval(interval) -> int:
-  if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1 or interval % PAGE_SIZE:
-    raise ValueError(f"interval must be a positive multiple of the page size {PAGE_SIZE} (the KDA chunk), "
-                     f"got {interval!r}")
+def _interval(interval, page_tokens: int = PAGE_SIZE) -> int:
+  if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1 or interval % page_tokens:
+    whole = ("the page size 64 (the KDA chunk)" if page_tokens == PAGE_SIZE else
+             f"page_tokens = {page_tokens} (64 tokens x {page_tokens // PAGE_SIZE} devices: whole pages on each)")
+    raise ValueError(f"interval must be a positive multiple of {whole}, got {interval!r}")
   return interval
 
 
@@ -164,7 +165,8 @@ class PrefixHit:
   Attributes:
     num_tokens: the boundary: tokens ``[0, num_tokens)`` of the prompt are cached (a multiple of the interval).
     slot: the KDA pool slot holding the recurrent and conv states after ``num_tokens`` tokens in every KDA layer.
-    pages: the ``num_tokens // 64`` MLA page ids of those tokens, in order (the start of a block table).
+    pages: the ``num_tokens // page_tokens`` MLA page ids of those tokens, in order (the start of a block
+      table; on a DCP cache each id is a local page on every device).
     cache_id, serial: identify the pin (which cache, which lookup).
   """
 
@@ -220,13 +222,19 @@ class PrefixCache:
     slots: the KDA pool slot allocator the sequences' ``state_indices`` come from.
     pages: the MLA page pool the sequences' block tables come from.
     max_checkpoints: at most this many slots held by entries and open reservations together (default: all).
+    devices: the devices the MLA cache is split over (``k3jax.dcp``; 1 without a mesh). A sequence's token ``t``
+      lives on device ``t mod devices``, so a page id names ``64 * devices`` tokens (``page_tokens``; 64 on each
+      device), and ``interval`` must be a multiple of that for a boundary to end on whole pages everywhere.
 
   Raises:
-    ValueError: ``interval`` not a positive multiple of 64, or ``max_checkpoints`` not in ``[1, slots.num]``.
+    ValueError: ``interval`` not a positive multiple of ``page_tokens``, or ``max_checkpoints`` not in
+      ``[1, slots.num]``.
   """
 
-  def __init__(self, interval: int, *, slots: SlotAllocator, pages: PagePool, max_checkpoints: int | None = None):
-    interval = _interval(interval)
+  def __init__(self, interval: int, *, slots: SlotAllocator, pages: PagePool, max_checkpoints: int | None = None,
+               devices: int = 1):
+    self.page_tokens = PAGE_SIZE * _count("devices", devices, 1)
+    interval = _interval(interval, self.page_tokens)
     limit = slots.num if max_checkpoints is None else _count("max_checkpoints", max_checkpoints, 1)
     if limit > slots.num:
       raise ValueError(f"max_checkpoints must be <= the {slots.num} pool slots, got {limit}")
@@ -239,6 +247,16 @@ class PrefixCache:
     self._reservations: dict[int, tuple[int, ...]] = {}  # serial -> reserved slots
     self._serials = itertools.count()
     self._id = next(_CACHE_IDS)
+
+  @property
+  def slots(self) -> SlotAllocator:
+    """The KDA pool slot allocator shared with the live sequences."""
+    return self._slots
+
+  @property
+  def pages(self) -> PagePool:
+    """The MLA page pool shared with the live sequences."""
+    return self._pages
 
   def __len__(self) -> int:
     """Cached boundaries."""
@@ -349,9 +367,9 @@ class PrefixCache:
     """
     self._check_reservation(reservation)
     pages = tuple(int(p) for p in pages)
-    need = max(reservation.boundaries, default=0) // PAGE_SIZE
+    need = max(reservation.boundaries, default=0) // self.page_tokens
     if len(pages) < need:
-      raise ValueError(f"pages must cover the last reserved boundary {need * PAGE_SIZE} ({need} pages), "
+      raise ValueError(f"pages must cover the last reserved boundary {need * self.page_tokens} ({need} pages), "
                        f"got {len(pages)}")
     unallocated = sorted({p for p in pages[:need] if not self._pages.refcount(p)})
     if unallocated or len(set(pages[:need])) < need:
@@ -364,8 +382,8 @@ class PrefixCache:
       if key in self._entries:
         dropped.append(slot)
         continue
-      self._pages.retain(pages[:b // PAGE_SIZE])
-      self._entries[key] = _Entry(num_tokens=b, slot=slot, pages=pages[:b // PAGE_SIZE])
+      self._pages.retain(pages[:b // self.page_tokens])
+      self._entries[key] = _Entry(num_tokens=b, slot=slot, pages=pages[:b // self.page_tokens])
       added.append(b)
     if dropped:
       self._slots.free(dropped)

@@ -27,12 +27,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax import cache as cache_lib, model as model_lib, sharding
-from k3jax.cache import ModelCache
+from k3jax.cache import Checkpoints, ModelCache
 from pallas_kernels import util
 
 
-def init_mesh_cache(cfg, num_seqs: int, max_seq_len: int, mesh: jax.sharding.Mesh, *,
-                    fill: float = 0.0) -> ModelCache:
+def init_mesh_cache(cfg, num_seqs: int, max_seq_len: int, mesh: jax.sharding.Mesh, *, fill: float = 0.0,
+                    num_slots: int | None = None, num_pages: int | None = None, idle: bool = False) -> ModelCache:
   """An empty sharded cache (born sharded) for ``cfg`` (already padded) on ``mesh``.
 
   KDA pools and conv pools are split by heads. Each MLA cache is a DCP cache (``k3jax.dcp``): every device
@@ -42,11 +42,14 @@ def init_mesh_cache(cfg, num_seqs: int, max_seq_len: int, mesh: jax.sharding.Mes
   Args:
     cfg: model config (``K3Config``; dims and cache dtypes). num_seqs: N.
     max_seq_len: tokens per sequence. mesh: the mesh. fill: initial value of every pool element.
+    num_slots: KDA pool slots (default N). num_pages: local MLA pages per device (default N times the pages
+      a sequence needs per device). idle: rows start idle, nothing allocated (``init_cache``'s ``idle``).
   """
   n = sharding.mesh_size(mesh)
 
   def build():
-    local = cache_lib.init_cache(cfg, num_seqs, util.cdiv(max_seq_len, n), fill=fill)
+    local = cache_lib.init_cache(cfg, num_seqs, util.cdiv(max_seq_len, n), fill=fill, num_slots=num_slots,
+                                 num_pages=num_pages, idle=idle)
     mla = tuple(jnp.full((n * x.shape[0],) + x.shape[1:], fill, x.dtype) for x in local.mla)
     return local.replace(mla=mla)
 
@@ -73,20 +76,40 @@ class ModelStep:
   state: nnx.State
   prefill_jit: Callable
   decode_jit: Callable
+  copy_jit: Callable
   vocab_size: int
 
   def _context(self):
     return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
-  def prefill(self, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache, *,
-              last_only: bool = False) -> tuple[jax.Array, ModelCache]:
-    """``KimiK3Model.prefill`` (``tokens [T]`` int32, ``cu_seqlens [N + 1]`` int32) -> ``(logits [T, vocab]``
-    f32, or ``[N, vocab]`` with ``last_only``, ``cache)``."""
+  def prefill(self, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache, *, last_only: bool = False,
+              checkpoints: Checkpoints | None = None) -> tuple[jax.Array, ModelCache]:
+    """``KimiK3Model.prefill`` (``tokens [T]`` int32, ``cu_seqlens [N + 1]`` int32, optional ``Checkpoints``)
+    -> ``(logits [T, vocab]`` f32, or ``[N, vocab]`` with ``last_only``, ``cache)``."""
     with self._context():
-      model_lib.check_prefill_inputs(tokens, cu_seqlens, cache, vocab_size=self.vocab_size)
+      self.check_prefill(tokens, cu_seqlens, cache, checkpoints=checkpoints)
       if tokens.shape[0] == 0:  # every L_n is 0: nothing changes (as KimiK3Model.prefill)
         return model_lib.empty_prefill_logits(cu_seqlens.shape[0] - 1, self.vocab_size, last_only), cache
-      return self.prefill_jit(self.state, tokens, cu_seqlens, cache, last_only)
+      return self.prefill_jit(self.state, tokens, cu_seqlens, cache, last_only, checkpoints)
+
+  def check_prefill(self, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache, *,
+                    checkpoints: Checkpoints | None = None) -> None:
+    """The host checks ``prefill`` runs first (``check_prefill_inputs``, the capacity counted on this mesh)."""
+    with self._context():
+      model_lib.check_prefill_inputs(tokens, cu_seqlens, cache, vocab_size=self.vocab_size,
+                                     checkpoints=checkpoints)
+
+  @property
+  def num_devices(self) -> int:
+    """Devices of the mesh (1 without one): the DCP split of the MLA cache."""
+    return 1 if self.mesh is None else sharding.mesh_size(self.mesh)
+
+  def copy_slots(self, cache: ModelCache, src: jax.Array, dst: jax.Array) -> ModelCache:
+    """``k3jax.cache.copy_slots`` (every KDA layer's states of slots ``src`` into ``dst``), jitted with the
+    cache donated, after ``check_copy_slots`` on the host."""
+    with self._context():
+      cache_lib.check_copy_slots(cache, src, dst)
+      return self.copy_jit(cache, src, dst)
 
   def decode(self, tokens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
     """``KimiK3Model.decode`` (``tokens [N]`` int32) -> ``(logits [N, vocab]`` f32, ``cache)``."""
@@ -94,20 +117,30 @@ class ModelStep:
       model_lib.check_decode_inputs(tokens, cache, vocab_size=self.vocab_size)
       return self.decode_jit(self.state, tokens, cache)
 
-  def compiled_text(self, kind: str, *args) -> str:
-    """Compiled HLO of ``prefill`` or ``decode`` (``kind``) for these arguments (for inspecting collectives)."""
+  def lowered(self, kind: str, *args) -> jax.stages.Lowered:
+    """``prefill`` (args ``tokens, cu_seqlens, cache[, last_only[, checkpoints]]``) or ``decode`` (args
+    ``tokens, cache``) lowered for these arguments, no host checks (for compiled HLO and memory analyses)."""
+    if kind == "prefill":  # the jit's shardings name every argument: the defaults are passed explicitly
+      args = args + (False, None)[len(args) - 3:]
     fn = {"prefill": self.prefill_jit, "decode": self.decode_jit}[kind]
     with self._context():
-      return fn.lower(self.state, *args).compile().as_text()
+      return fn.lower(self.state, *args)
+
+  def compiled_text(self, kind: str, *args) -> str:
+    """Compiled HLO of ``lowered(kind, *args)`` (for inspecting collectives)."""
+    with self._context():
+      return self.lowered(kind, *args).compile().as_text()
 
 
 def _jit_steps(graphdef: nnx.GraphDef, vocab: int, shardings: tuple | None,
-               compiler_options: tuple[tuple[str, str | bool | int | float], ...] | None) -> tuple[Callable, Callable]:
-  """The jitted ``(prefill, decode)`` of a model's graph: ``shardings`` is ``(params, caches, whole)`` on a mesh
-  and None on one device (the arguments' own placement)."""
+               compiler_options: tuple[tuple[str, str | bool | int | float], ...] | None
+               ) -> tuple[Callable, Callable, Callable]:
+  """The jitted ``(prefill, decode, copy_slots)`` of a model's graph: ``shardings`` is ``(params, caches,
+  whole)`` on a mesh and None on one device (the arguments' own placement)."""
 
-  def prefill(state, tokens, cu_seqlens, cache, last_only=False):
-    logits, cache = nnx.merge(graphdef, state).prefill(tokens, cu_seqlens, cache, last_only=last_only)
+  def prefill(state, tokens, cu_seqlens, cache, last_only=False, checkpoints=None):
+    logits, cache = nnx.merge(graphdef, state).prefill(tokens, cu_seqlens, cache, last_only=last_only,
+                                                       checkpoints=checkpoints)
     return logits[:, :vocab], cache
 
   def decode(state, tokens, cache):
@@ -117,16 +150,19 @@ def _jit_steps(graphdef: nnx.GraphDef, vocab: int, shardings: tuple | None,
   options = None if compiler_options is None else dict(compiler_options)
   if shardings is None:
     return (jax.jit(prefill, donate_argnums=3, static_argnums=4, compiler_options=options),
-            jax.jit(decode, donate_argnums=2, compiler_options=options))
+            jax.jit(decode, donate_argnums=2, compiler_options=options),
+            jax.jit(cache_lib.copy_slots, donate_argnums=0))
   params, caches, whole = shardings
-  return (jax.jit(prefill, in_shardings=(params, whole, whole, caches), out_shardings=(whole, caches),
+  return (jax.jit(prefill, in_shardings=(params, whole, whole, caches, whole), out_shardings=(whole, caches),
                   donate_argnums=3, static_argnums=4, compiler_options=options),
           jax.jit(decode, in_shardings=(params, whole, caches), out_shardings=(whole, caches), donate_argnums=2,
-                  compiler_options=options))
+                  compiler_options=options),
+          jax.jit(cache_lib.copy_slots, in_shardings=(caches, whole, whole), out_shardings=caches,
+                  donate_argnums=0))
 
 
 @functools.lru_cache(maxsize=16)
-def _one_device_steps(graphdef: nnx.GraphDef, vocab: int) -> tuple[Callable, Callable]:
+def _one_device_steps(graphdef: nnx.GraphDef, vocab: int) -> tuple[Callable, Callable, Callable]:
   """``_jit_steps`` on one device, built once per model graph: ``k3jax.prefill(model, ...)`` called again with
   the same model (or one of the same structure) reuses its jitted functions and their compilations."""
   return _jit_steps(graphdef, vocab, None, None)
@@ -156,11 +192,12 @@ def jit_model_step(model: nnx.Module, mesh: jax.sharding.Mesh | None = None, *, 
                                            NamedSharding(mesh, P()))
     options = None if compiler_options is None else tuple(sorted(compiler_options.items()))
     steps = _jit_steps(graphdef, vocab, shardings, options)
-  return ModelStep(mesh=mesh, state=state, prefill_jit=steps[0], decode_jit=steps[1], vocab_size=vocab)
+  return ModelStep(mesh=mesh, state=state, prefill_jit=steps[0], decode_jit=steps[1], copy_jit=steps[2],
+                   vocab_size=vocab)
 
 
 def prefill(model: nnx.Module, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache, *,
-            last_only: bool = False) -> tuple[jax.Array, ModelCache]:
+            last_only: bool = False, checkpoints: Checkpoints | None = None) -> tuple[jax.Array, ModelCache]:
   """``model.prefill`` on one device, jitted with the cache donated, after a host check of the values.
 
   ``jit_model_step(model).prefill(...)``: see ``ModelStep`` for the checks.
@@ -168,12 +205,13 @@ def prefill(model: nnx.Module, tokens: jax.Array, cu_seqlens: jax.Array, cache: 
   Args:
     model: a ``KimiK3Model``. tokens: ``[T]`` int32. cu_seqlens: ``[N + 1]`` int32. cache: ``ModelCache`` from
       ``k3jax.init_cache`` (donated). last_only: only each sequence's last new token's logits.
+    checkpoints: ``Checkpoints`` (KDA states saved at given offsets into given slots) or None.
 
   Returns:
     ``logits [T, vocab]`` (``[N, vocab]`` with ``last_only``) f32 and the updated cache, as
     ``KimiK3Model.prefill``.
   """
-  return jit_model_step(model).prefill(tokens, cu_seqlens, cache, last_only=last_only)
+  return jit_model_step(model).prefill(tokens, cu_seqlens, cache, last_only=last_only, checkpoints=checkpoints)
 
 
 def decode(model: nnx.Module, tokens: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax import nn_util, ops
-from k3jax.cache import KdaState
+from k3jax.cache import Checkpoints, KdaState
 from k3jax.config import K3Config
 from k3jax.layers.norms import RMSNorm
 # The mesh-aware drop-ins: split over heads on the ambient mesh, the plain ops without one.
@@ -92,28 +92,32 @@ class KdaLayer(nnx.Module):
     return a.reshape(a.shape[0], self.cfg.kda_num_heads, self.cfg.kda_head_dim)
 
   def prefill(self, x: jax.Array, state: KdaState, *, cu_seqlens: jax.Array, state_indices: jax.Array,
-              has_initial_state: jax.Array) -> tuple[jax.Array, KdaState]:
+              has_initial_state: jax.Array, checkpoints: Checkpoints | None = None) -> tuple[jax.Array, KdaState]:
     """Packed varlen prefill.
 
     Args:
       x: ``[T, D]`` normalised hidden states of N packed sequences.
       state: this layer's pool (``KdaState``).
       cu_seqlens: ``[N + 1]`` int32. state_indices: ``[N]`` int32 pool slots. has_initial_state: ``[N]`` bool.
+      checkpoints: the recurrent and conv states after these offsets also go to these slots (None: none).
 
     Returns:
       ``[T, D]`` in ``cfg.dtype`` and the updated state (only the named slots change).
     """
     pre, g_raw, beta_raw = self._inputs(x)
+    ckpt = {} if checkpoints is None else dict(checkpoint_indptr=checkpoints.indptr,
+                                               checkpoint_offsets=checkpoints.offsets,
+                                               checkpoint_slots=checkpoints.slots)
     conv, pools = {}, {}
     for n, pool in _CONVS:
       conv[n], pools[pool] = ops.mesh_short_conv_prefill(
           pre[n], getattr(self, f"{n}_conv1d").taps(), cu_seqlens=cu_seqlens, conv_pool=getattr(state, pool),
           state_indices=state_indices, has_initial_state=has_initial_state,
-          config=self.cfg.short_conv_op_config())
+          config=self.cfg.short_conv_op_config(), **ckpt)
     o, recurrent = ops.mesh_kda_prefill(
         self._heads(conv["q"]), self._heads(conv["k"]), self._heads(conv["v"]), g_raw, beta_raw,
         A_log=self.A_log[...], dt_bias=self.dt_bias[...], cu_seqlens=cu_seqlens, state_pool=state.recurrent,
-        state_indices=state_indices, has_initial_state=has_initial_state, config=self.cfg.kda_op_config())
+        state_indices=state_indices, has_initial_state=has_initial_state, config=self.cfg.kda_op_config(), **ckpt)
     return self._output(x, o), KdaState(recurrent=recurrent, **pools)
 
   def decode(self, x: jax.Array, state: KdaState, *, state_indices: jax.Array) -> tuple[jax.Array, KdaState]:

@@ -173,18 +173,24 @@ class MlaLayer(nnx.Module):
     o, _ = merge_partials(jnp.stack([o_new.astype(jnp.float32), o_pre]), jnp.stack([lse_new, lse_pre]))
     return self._output(x, o), kv_cache
 
-  def decode(self, x: jax.Array, kv_cache: jax.Array, *, block_table: jax.Array,
-             seq_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def decode(self, x: jax.Array, kv_cache: jax.Array, *, block_table: jax.Array, seq_lens: jax.Array,
+             active: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Absorbed decode of one new token per sequence at position ``seq_lens[n]``.
 
     Args:
       x: ``[N, D]``. kv_cache: ``[pages, 64, R + dr]``. block_table: ``[N, max_pages]`` int32.
       seq_lens: ``[N]`` int32 tokens cached before this step.
+      active: ``[N]`` bool or None (all): an inactive row writes nothing and attends to nothing (its output is
+        then meaningless; the model masks its logits).
 
     Returns:
       ``[N, D]`` in ``cfg.dtype`` and the updated cache.
     """
     q = self._query(x)
-    kv_cache = self._write(kv_cache, self._latent(x), block_table, jnp.arange(x.shape[0]), seq_lens)
-    o, _ = self._attend_cache(q, kv_cache, block_table, seq_lens + 1)
+    rows = jnp.arange(x.shape[0])
+    lens = seq_lens + 1
+    if active is not None:
+      rows, lens = jnp.where(active, rows, -1), jnp.where(active, lens, 0)
+    kv_cache = self._write(kv_cache, self._latent(x), block_table, rows, seq_lens)
+    o, _ = self._attend_cache(q, kv_cache, block_table, lens)
     return self._output(x, o), kv_cache
