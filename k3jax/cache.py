@@ -111,6 +111,61 @@ def check_copy_slots(cache: ModelCache, src: jax.Array, dst: jax.Array) -> None:
     raise ValueError(f"dst must not overlap src, got src {s.tolist()} and dst {d.tolist()}")
 
 
+def accept(cache: ModelCache, draft_slots: jax.Array, num_accepted: jax.Array) -> tuple[ModelCache, jax.Array]:
+  """The accept step after ``KimiK3Model.verify``: each active sequence keeps its first ``num_accepted[n]``
+  tokens and rolls back the rest.
+
+  Verify left the KDA and conv states after token t of row n in column t of ``[state_indices[n] |
+  draft_slots[n]]``. Keeping ``a`` tokens makes the slot of column ``a - 1`` the sequence's slot: the two ids
+  trade places (``state_indices[n]`` and ``draft_slots[n, a - 2]`` when ``a > 1``), so no state is copied and
+  the row keeps the same set of slots; the other draft slots hold rejected states that the next verify
+  overwrites. ``seq_lens[n]`` grows by ``a``: the latent rows of rejected tokens lie past it, are never read,
+  and the next step writes over them. Idle rows do not change. Checked by ``check_accept`` when concrete.
+
+  Args:
+    cache: ``ModelCache`` after ``verify``.
+    draft_slots: ``[N, S]`` int32, the draft slots passed to ``verify``.
+    num_accepted: ``[N]`` int32 tokens kept per active row, in ``[1, 1 + S]`` (ignored for idle rows).
+
+  Returns:
+    The cache (``state_indices`` and ``seq_lens`` changed) and the draft slots for the next verify, ``[N, S]``.
+  """
+  check_accept(cache, draft_slots, num_accepted)
+  own = cache.state_indices
+  active = own >= 0
+  kept = jnp.where(active, num_accepted, 1)
+  seq_lens = cache.seq_lens + jnp.where(active, kept, 0)
+  drafts = draft_slots.shape[1]
+  if drafts == 0:
+    return cache.replace(seq_lens=seq_lens), draft_slots
+  col = jnp.clip(kept - 2, 0, drafts - 1)
+  swap = kept > 1
+  new_own = jnp.where(swap, jnp.take_along_axis(draft_slots, col[:, None], axis=1)[:, 0], own)
+  traded = swap[:, None] & (jnp.arange(drafts)[None, :] == col[:, None])
+  return (cache.replace(state_indices=new_own, seq_lens=seq_lens),
+          jnp.where(traded, own[:, None], draft_slots))
+
+
+def check_accept(cache: ModelCache, draft_slots: jax.Array, num_accepted: jax.Array) -> None:
+  """``accept``'s arguments: ``draft_slots [N, S]`` and ``num_accepted [N]`` int32; when concrete,
+  ``num_accepted`` in ``[1, 1 + S]`` for every active row.
+
+  Raises:
+    ValueError: naming the argument, what was expected and what was given.
+  """
+  num_seqs = cache.state_indices.shape[0]
+  util.check_shape("draft_slots", draft_slots, (num_seqs, None))
+  util.check_shape("num_accepted", num_accepted, (num_seqs,))
+  for name, x in (("draft_slots", draft_slots), ("num_accepted", num_accepted)):
+    util.check_dtype(name, x, (jnp.int32,))
+  a, own = util.concrete(num_accepted), util.concrete(cache.state_indices)
+  if a is not None and own is not None:
+    kept = a[own >= 0]
+    if kept.size and (kept.min() < 1 or kept.max() > draft_slots.shape[1] + 1):
+      raise ValueError(f"num_accepted must be in [1, 1 + S = {draft_slots.shape[1] + 1}] for active rows, got "
+                       f"{a.tolist()} for state_indices {own.tolist()}")
+
+
 class SlotAllocator:
   """Host-side free list of ``num`` ids (KDA pool slots or MLA pages), lowest ids first."""
 

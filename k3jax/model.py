@@ -118,28 +118,61 @@ def _check_pages_held(cache: ModelCache, lengths: np.ndarray, active: np.ndarray
                        f"tokens, got {used.tolist()}")
 
 
-def check_decode_inputs(tokens: jax.Array, cache: ModelCache, *, vocab_size: int) -> None:
-  """The arguments of ``KimiK3Model.decode``, checked as ``check_prefill_inputs`` checks a prefill's.
+def check_decode_inputs(tokens: jax.Array, cache: ModelCache, *, vocab_size: int,
+                        draft_slots: jax.Array | None = None) -> None:
+  """The arguments of ``KimiK3Model.decode`` (or, with ``draft_slots``, of ``verify``), checked as
+  ``check_prefill_inputs`` checks a prefill's.
 
   Args:
-    tokens: ``[N]`` int32 ids in ``[0, vocab_size)``.
-    cache: ``ModelCache`` whose every sequence has room for one more token (``seq_lens < capacity``).
+    tokens: ``[N]`` int32 ids in ``[0, vocab_size)``; ``[N, 1 + S]`` with ``draft_slots``.
+    cache: ``ModelCache`` whose every active sequence has room for the step's 1 (or 1 + S) tokens
+      (``seq_lens + 1 + S <= capacity``) and holds the pages they land in.
     vocab_size: the real vocabulary.
+    draft_slots: ``[N, S]`` int32 or None (decode): see ``_check_draft_slots``.
 
   Raises:
     ValueError: naming the argument, what was expected and what was given.
   """
   num_seqs, max_pages = cache.block_table.shape
-  util.check_shape("tokens", tokens, (num_seqs,))
+  width = 1
+  if draft_slots is None:
+    util.check_shape("tokens", tokens, (num_seqs,))
+  else:
+    util.check_shape("draft_slots", draft_slots, (num_seqs, None))
+    util.check_dtype("draft_slots", draft_slots, (jnp.int32,))
+    width = draft_slots.shape[1] + 1
+    util.check_shape("tokens", tokens, (num_seqs, width))
   util.check_dtype("tokens", tokens, (jnp.int32,))
   _check_token_ids(tokens, vocab_size)
-  cached = util.concrete(cache.seq_lens)
+  cached, slots = util.concrete(cache.seq_lens), util.concrete(cache.state_indices)
   limit = dcp.capacity(max_pages, page_size=PAGE_SIZE)
-  if cached is not None and cached.max(initial=0) >= limit:
-    raise ValueError(f"cache.seq_lens must be < the cache capacity {limit} (room for one more token per "
-                     f"sequence), got {cached.tolist()}")
   if cached is not None:
-    _check_pages_held(cache, cached + 1, active=util.concrete(cache.state_indices))
+    busy = cached if slots is None else cached[slots >= 0]
+    if busy.max(initial=0) + width > limit:
+      raise ValueError(f"cache.seq_lens must leave room for {width} more token(s) per active sequence (the cache "
+                       f"capacity is {limit}), got {cached.tolist()}")
+    _check_pages_held(cache, cached + width, active=slots)
+  if draft_slots is not None:
+    _check_draft_slots(cache, draft_slots)
+
+
+def _check_draft_slots(cache: ModelCache, draft_slots: jax.Array) -> None:
+  """When concrete: an active row's draft slots are pool slots, distinct over the batch and none of them any
+  sequence's ``state_indices`` entry (the verify writes a state into each); an idle row's are all -1."""
+  drafts, own = util.concrete(draft_slots), util.concrete(cache.state_indices)
+  if drafts is None or own is None:
+    return
+  if (drafts[own < 0] != -1).any():
+    raise ValueError(f"draft_slots must be -1 in idle rows (cache.state_indices -1), got {drafts.tolist()} for "
+                     f"state_indices {own.tolist()}")
+  used = drafts[own >= 0].ravel()
+  num_slots = cache.kda[0].recurrent.shape[0] if cache.kda else 0
+  if used.size and (used.min() < 0 or used.max() >= num_slots):
+    raise ValueError(f"draft_slots of active rows must be pool slots in [0, P = {num_slots}), got "
+                     f"{drafts.tolist()}")
+  if len(set(used.tolist())) != used.size or set(used.tolist()) & set(own.tolist()):
+    raise ValueError(f"draft_slots must be distinct and none of them a sequence's slot (cache.state_indices "
+                     f"{own.tolist()}), got {drafts.tolist()}")
 
 
 class DecoderLayer(nnx.Module):
@@ -333,3 +366,49 @@ class KimiK3Model(nnx.Module):
     logits, cache = self._run(tokens, cache, kda_fn, mla_fn)
     logits = jnp.where(active[:, None], logits, jnp.nan)
     return logits, cache.replace(seq_lens=cache.seq_lens + active.astype(jnp.int32))
+
+  def verify(self, tokens: jax.Array, cache: ModelCache, draft_slots: jax.Array) -> tuple[jax.Array, ModelCache]:
+    """Speculative verify: scores 1 + S tokens per sequence in one step; ``k3jax.cache.accept`` then keeps the
+    accepted ones.
+
+    Row n's tokens are the token the previous step sampled (column 0, always kept) and S draft tokens. Every
+    KDA layer runs its ops' speculative forms on the slots ``[state_indices[n] | draft_slots[n]]``: the
+    recurrent and conv states after token t go to column t (so the sequence's own slot holds the state after
+    token 0, and a draft slot one after a draft). The MLA layers run the ``(1 + S) N`` tokens as one decode
+    batch: token t writes its latent row at position ``seq_lens[n] + t`` and attends to the ``seq_lens[n] + t +
+    1`` rows up to it. ``seq_lens`` does not move: ``accept`` advances it by the accepted count, and the rows
+    of rejected tokens, past it, are never read and are overwritten by the next step.
+
+    Args:
+      tokens: ``[N, 1 + S]`` int32 ids in ``[0, vocab_size)``.
+      cache: ``ModelCache``; every active row has room for, and holds the pages of, ``seq_lens + 1 + S`` tokens.
+        Idle rows (``state_indices`` -1) are skipped as in ``decode``.
+      draft_slots: ``[N, S]`` int32 pool slots the states after the drafts go to: distinct, none of them a
+        sequence's slot; -1 throughout in idle rows.
+
+    Returns:
+      ``logits [N, 1 + S, vocab]`` f32 (row t scores the token after token t, as ``decode`` of the tokens one
+      by one would; NaN for idle rows) and the updated cache.
+
+    Raises:
+      ValueError: from ``check_decode_inputs``; index values only when they are concrete (``k3jax.verify``
+        checks them before its jit).
+    """
+    check_decode_inputs(tokens, cache, vocab_size=self.cfg.vocab_size, draft_slots=draft_slots)
+    n, width = tokens.shape
+    active = cache.state_indices >= 0
+    slots = jnp.concatenate([cache.state_indices[:, None], draft_slots], axis=1)
+    # The ops' speculative forms read the state before the step from column num_accepted - 1: the own slot.
+    first = jnp.ones((n,), jnp.int32)
+    row = jnp.repeat(jnp.arange(n, dtype=jnp.int32), width)
+    offset = jnp.tile(jnp.arange(width, dtype=jnp.int32), n)
+
+    def kda_fn(attn: KdaLayer, h, state: KdaState):
+      return attn.decode(h, state, state_indices=slots, num_accepted=first)
+
+    def mla_fn(attn: MlaLayer, h, kv):
+      return attn.decode(h, kv, block_table=cache.block_table[row], seq_lens=cache.seq_lens[row] + offset,
+                         active=active[row])
+
+    logits, cache = self._run(tokens.reshape(-1), cache, kda_fn, mla_fn)
+    return jnp.where(active[:, None, None], logits.reshape(n, width, -1), jnp.nan), cache

@@ -51,7 +51,8 @@ class Admitted:
   """A request in the cache after ``admit``.
 
   Attributes:
-    row: its cache row. slot: its KDA pool slot (``state_indices[row]``).
+    row: its cache row. slot: its KDA pool slot at admission (``state_indices[row]``; ``k3jax.accept`` may trade
+      it for one of the row's draft slots, so ``finish`` frees the row's slot at that time).
     pages: its block table (page ids in token order; it holds one ``PagePool`` reference to each).
     prompt_len: tokens prefilled or taken from the cache. cached_tokens: tokens taken from the cache (skipped).
     new_boundaries: boundaries this prefill added to the prefix cache.
@@ -205,12 +206,14 @@ def admit(step: ModelStep, cache: ModelCache, prefix_cache: PrefixCache,
 
 
 def finish(cache: ModelCache, prefix_cache: PrefixCache, seq: Admitted) -> ModelCache:
-  """End a sequence: its row becomes idle (slot and block table -1, ``seq_lens`` 0), and its pool slot and page
-  references go back (pages the prefix cache still holds stay allocated, and are never written again through
-  this row). Returns the cache with the row idle."""
+  """End a sequence: its row becomes idle (slot and block table -1, ``seq_lens`` 0), and its pool slot (the row's
+  current one) and page references go back. Pages the prefix cache still holds stay allocated and are never
+  written again through this row; draft slots a speculative decoder took for the row stay the caller's to free.
+  Returns the cache with the row idle."""
   row = seq.row
+  slot = int(cache.state_indices[row])
   cache = cache.replace(state_indices=cache.state_indices.at[row].set(-1),
                         block_table=cache.block_table.at[row].set(-1), seq_lens=cache.seq_lens.at[row].set(0))
   prefix_cache.pages.release(seq.pages)
-  prefix_cache.slots.free([seq.slot])
+  prefix_cache.slots.free([slot])
   return cache

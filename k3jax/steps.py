@@ -76,6 +76,7 @@ class ModelStep:
   state: nnx.State
   prefill_jit: Callable
   decode_jit: Callable
+  verify_jit: Callable
   copy_jit: Callable
   vocab_size: int
 
@@ -117,12 +118,20 @@ class ModelStep:
       model_lib.check_decode_inputs(tokens, cache, vocab_size=self.vocab_size)
       return self.decode_jit(self.state, tokens, cache)
 
+  def verify(self, tokens: jax.Array, cache: ModelCache, draft_slots: jax.Array) -> tuple[jax.Array, ModelCache]:
+    """``KimiK3Model.verify`` (``tokens [N, 1 + S]`` int32, ``draft_slots [N, S]`` int32) -> ``(logits [N, 1 + S,
+    vocab]`` f32, ``cache)``; follow it with ``k3jax.cache.accept``."""
+    with self._context():
+      model_lib.check_decode_inputs(tokens, cache, vocab_size=self.vocab_size, draft_slots=draft_slots)
+      return self.verify_jit(self.state, tokens, cache, draft_slots)
+
   def lowered(self, kind: str, *args) -> jax.stages.Lowered:
-    """``prefill`` (args ``tokens, cu_seqlens, cache[, last_only[, checkpoints]]``) or ``decode`` (args
-    ``tokens, cache``) lowered for these arguments, no host checks (for compiled HLO and memory analyses)."""
+    """``prefill`` (args ``tokens, cu_seqlens, cache[, last_only[, checkpoints]]``), ``decode`` (args ``tokens,
+    cache``) or ``verify`` (args ``tokens, cache, draft_slots``) lowered for these arguments, no host checks (for
+    compiled HLO and memory analyses)."""
     if kind == "prefill":  # the jit's shardings name every argument: the defaults are passed explicitly
       args = args + (False, None)[len(args) - 3:]
-    fn = {"prefill": self.prefill_jit, "decode": self.decode_jit}[kind]
+    fn = {"prefill": self.prefill_jit, "decode": self.decode_jit, "verify": self.verify_jit}[kind]
     with self._context():
       return fn.lower(self.state, *args)
 
@@ -134,8 +143,8 @@ class ModelStep:
 
 def _jit_steps(graphdef: nnx.GraphDef, vocab: int, shardings: tuple | None,
                compiler_options: tuple[tuple[str, str | bool | int | float], ...] | None
-               ) -> tuple[Callable, Callable, Callable]:
-  """The jitted ``(prefill, decode, copy_slots)`` of a model's graph: ``shardings`` is ``(params, caches,
+               ) -> tuple[Callable, Callable, Callable, Callable]:
+  """The jitted ``(prefill, decode, verify, copy_slots)`` of a model's graph: ``shardings`` is ``(params, caches,
   whole)`` on a mesh and None on one device (the arguments' own placement)."""
 
   def prefill(state, tokens, cu_seqlens, cache, last_only=False, checkpoints=None):
@@ -147,22 +156,29 @@ def _jit_steps(graphdef: nnx.GraphDef, vocab: int, shardings: tuple | None,
     logits, cache = nnx.merge(graphdef, state).decode(tokens, cache)
     return logits[:, :vocab], cache
 
+  def verify(state, tokens, cache, draft_slots):
+    logits, cache = nnx.merge(graphdef, state).verify(tokens, cache, draft_slots)
+    return logits[..., :vocab], cache
+
   options = None if compiler_options is None else dict(compiler_options)
   if shardings is None:
     return (jax.jit(prefill, donate_argnums=3, static_argnums=4, compiler_options=options),
             jax.jit(decode, donate_argnums=2, compiler_options=options),
+            jax.jit(verify, donate_argnums=2, compiler_options=options),
             jax.jit(cache_lib.copy_slots, donate_argnums=0))
   params, caches, whole = shardings
   return (jax.jit(prefill, in_shardings=(params, whole, whole, caches, whole), out_shardings=(whole, caches),
                   donate_argnums=3, static_argnums=4, compiler_options=options),
           jax.jit(decode, in_shardings=(params, whole, caches), out_shardings=(whole, caches), donate_argnums=2,
                   compiler_options=options),
+          jax.jit(verify, in_shardings=(params, whole, caches, whole), out_shardings=(whole, caches),
+                  donate_argnums=2, compiler_options=options),
           jax.jit(cache_lib.copy_slots, in_shardings=(caches, whole, whole), out_shardings=caches,
                   donate_argnums=0))
 
 
 @functools.lru_cache(maxsize=16)
-def _one_device_steps(graphdef: nnx.GraphDef, vocab: int) -> tuple[Callable, Callable, Callable]:
+def _one_device_steps(graphdef: nnx.GraphDef, vocab: int) -> tuple[Callable, Callable, Callable, Callable]:
   """``_jit_steps`` on one device, built once per model graph: ``k3jax.prefill(model, ...)`` called again with
   the same model (or one of the same structure) reuses its jitted functions and their compilations."""
   return _jit_steps(graphdef, vocab, None, None)
@@ -192,8 +208,8 @@ def jit_model_step(model: nnx.Module, mesh: jax.sharding.Mesh | None = None, *, 
                                            NamedSharding(mesh, P()))
     options = None if compiler_options is None else tuple(sorted(compiler_options.items()))
     steps = _jit_steps(graphdef, vocab, shardings, options)
-  return ModelStep(mesh=mesh, state=state, prefill_jit=steps[0], decode_jit=steps[1], copy_jit=steps[2],
-                   vocab_size=vocab)
+  return ModelStep(mesh=mesh, state=state, prefill_jit=steps[0], decode_jit=steps[1], verify_jit=steps[2],
+                   copy_jit=steps[3], vocab_size=vocab)
 
 
 def prefill(model: nnx.Module, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache, *,
@@ -226,6 +242,21 @@ def decode(model: nnx.Module, tokens: jax.Array, cache: ModelCache) -> tuple[jax
     ``logits [N, vocab]`` f32 and the updated cache, as ``KimiK3Model.decode``.
   """
   return jit_model_step(model).decode(tokens, cache)
+
+
+def verify(model: nnx.Module, tokens: jax.Array, cache: ModelCache,
+           draft_slots: jax.Array) -> tuple[jax.Array, ModelCache]:
+  """``model.verify`` on one device, jitted with the cache donated, after a host check of the values.
+
+  Args:
+    model: a ``KimiK3Model``. tokens: ``[N, 1 + S]`` int32 (the last sampled token, then S drafts).
+    cache: ``ModelCache`` (donated). draft_slots: ``[N, S]`` int32 pool slots for the drafts' states.
+
+  Returns:
+    ``logits [N, 1 + S, vocab]`` f32 and the updated cache, as ``KimiK3Model.verify``; ``k3jax.accept`` then
+    keeps the accepted tokens.
+  """
+  return jit_model_step(model).verify(tokens, cache, draft_slots)
 
 
 _COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%\S+ = \(?([a-z0-9]+)\[([0-9,]*)\][^\n]*? "

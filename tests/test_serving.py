@@ -16,6 +16,7 @@ from layer_oracles import tiny
 import k3jax
 from k3jax import serving, sharding, steps
 from k3jax.cache import Checkpoints, SlotAllocator, init_cache
+from k3jax.config import preset
 from k3jax.prefix_cache import PagePool, PrefixCache
 
 INTERVAL, PROMPT, NEW = 64, 200, 8
@@ -208,3 +209,150 @@ def test_hit_on_a_mesh_matches_one_device(setup):
   close(np.asarray(logits)[1], np.asarray(ref)[0])
   got, _ = mstep.decode(jnp.asarray([0, follow[0]], jnp.int32), cache)
   close(np.asarray(got)[1], np.asarray(ref_next)[0])
+
+
+# ------------------------------------------------------------------------------------- speculative verify
+S = 3  # drafts per verify
+DRAFTS = np.asarray([[2, 3, 4], [-1, -1, -1], [5, 6, 7]], np.int32)
+
+
+def running(cfg, step):
+  """Rows 0 and 2 prefilled with 70 and 131 tokens (slots 0 and 1, pages 0-4 and 5-9), row 1 idle; every
+  pool element NaN before, so a slot or page no one wrote stays NaN."""
+  cache = init_cache(cfg, 3, MAX_LEN, num_slots=10, num_pages=16, fill=np.nan, idle=True)
+  table = np.full((3, MAX_LEN // 64), -1, np.int32)
+  table[0], table[2] = np.arange(5), np.arange(5, 10)
+  cache = cache.replace(state_indices=jnp.asarray([0, -1, 1], jnp.int32), block_table=jnp.asarray(table))
+  toks = np.concatenate([prompt(cfg, 20, 70), prompt(cfg, 21, 131)])
+  _, cache = step.prefill(jnp.asarray(toks), jnp.asarray([0, 70, 70, 201], jnp.int32), cache)
+  return cache
+
+
+def one_by_one(step, cache, columns):
+  """``step.decode`` of each ``[N]`` column in turn; logits ``[N, len(columns), vocab]`` and the cache."""
+  out = []
+  for col in columns:
+    logits, cache = step.decode(jnp.asarray(col, jnp.int32), cache)
+    out.append(np.asarray(logits))
+  return np.stack(out, axis=1), cache
+
+
+def test_verify_then_accept_equals_decoding_one_by_one(setup):
+  cfg, step = setup
+  rng = np.random.default_rng(22)
+  first, second = (rng.integers(0, cfg.vocab_size, (3, 1 + S)).astype(np.int32) for _ in range(2))
+  first[1] = second[1] = 0  # the idle row's tokens are not looked at
+  logits, cache = step.verify(jnp.asarray(first), running(cfg, step), jnp.asarray(DRAFTS))
+  logits = np.asarray(logits)
+  want, _ = one_by_one(step, running(cfg, step), first.T)
+  assert logits.shape == (3, 1 + S, cfg.vocab_size) and np.isnan(logits[1]).all()
+  close(logits[[0, 2]], want[[0, 2]])
+  np.testing.assert_array_equal(np.asarray(cache.seq_lens), [70, 0, 131])  # verify alone moves nothing
+  # Row 0 keeps 2 tokens (the state after its first draft, in slot 2, becomes its slot), row 2 all 4 (slot 7).
+  cache, drafts = k3jax.accept(cache, jnp.asarray(DRAFTS), jnp.asarray([2, 0, 4], jnp.int32))
+  np.testing.assert_array_equal(np.asarray(cache.state_indices), [2, -1, 7])
+  np.testing.assert_array_equal(np.asarray(drafts), [[0, 3, 4], [-1, -1, -1], [5, 6, 1]])
+  np.testing.assert_array_equal(np.asarray(cache.seq_lens), [72, 0, 135])
+  # The next verify continues from exactly the accepted tokens: row 0 as if it had decoded 2 tokens, row 2 4.
+  logits, cache = step.verify(jnp.asarray(second), cache, drafts)
+  logits = np.asarray(logits)
+  for row, kept in ((0, 2), (2, 4)):
+    want, _ = one_by_one(step, running(cfg, step), list(first.T[:kept]) + list(second.T))
+    close(logits[row], want[row, kept:])
+  for st in cache.kda:  # slots 8 and 9 were never anyone's
+    assert np.isnan(np.asarray(st.recurrent)[8:]).all() and np.isnan(np.asarray(st.conv_v)[8:]).all()
+  assert all(np.isnan(np.asarray(kv)[10:]).all() for kv in cache.mla)  # pages no row holds
+
+
+def test_verify_and_accept_checks(setup):
+  cfg, step = setup
+  cache = running(cfg, step)
+  toks = jnp.zeros((3, 1 + S), jnp.int32)
+  cases = {
+      "draft_slots must be -1 in idle rows": [[2, 3, 4], [8, -1, -1], [5, 6, 7]],
+      "must be distinct and none of them a sequence's slot": [[2, 3, 4], [-1, -1, -1], [5, 6, 2]],
+      r"none of them a sequence's slot \(cache.state_indices": [[0, 3, 4], [-1, -1, -1], [5, 6, 7]],
+      r"pool slots in \[0, P = 10\)": [[2, 3, 10], [-1, -1, -1], [5, 6, 7]],
+  }
+  for match, drafts in cases.items():
+    with pytest.raises(ValueError, match=match):
+      step.verify(toks, cache, jnp.asarray(drafts, jnp.int32))
+  with pytest.raises(ValueError, match=r"tokens must have shape \(3, 4\)"):
+    step.verify(jnp.zeros((3, 3), jnp.int32), cache, jnp.asarray(DRAFTS))
+  # Row 0 holds 5 pages (320 tokens) and its block table ends there: 318 + 4 tokens do not fit.
+  full = cache.replace(seq_lens=jnp.asarray([318, 0, 131], jnp.int32))
+  with pytest.raises(ValueError, match="room for 4 more token"):
+    step.verify(toks, full, jnp.asarray(DRAFTS))
+  holes = cache.replace(block_table=cache.block_table.at[2, 2].set(-1))  # row 2's 131 + 4 tokens need 3 pages
+  with pytest.raises(ValueError, match=r"block_table\[2\] must hold page ids"):
+    step.verify(toks, holes, jnp.asarray(DRAFTS))
+  for bad in ([0, 1, 2], [2, 1, 5]):
+    with pytest.raises(ValueError, match=r"num_accepted must be in \[1, 1 \+ S = 4\]"):
+      k3jax.accept(cache, jnp.asarray(DRAFTS), jnp.asarray(bad, jnp.int32))
+
+
+def test_verify_on_a_mesh_matches_one_device(setup):
+  """3 devices: KDA heads split, the verify's latent rows written by DCP to their owner devices."""
+  cfg, step = setup
+  model = k3jax.KimiK3Model(cfg, rngs=nnx.Rngs(0))  # the parameters of ``step``'s model (same seed)
+  mesh = sharding.make_mesh(3)
+  placed, _ = sharding.shard_model(model, mesh)
+  mstep = k3jax.jit_model_step(placed, mesh, vocab_size=cfg.vocab_size, compiler_options=FAST)
+  toks = np.random.default_rng(23).integers(0, cfg.vocab_size, (2, 1 + S)).astype(np.int32)
+  drafts = jnp.asarray(DRAFTS[[0, 2]])
+  results = []
+  for st, cache in ((step, init_cache(cfg, 2, MAX_LEN, num_slots=10)),
+                    (mstep, steps.init_mesh_cache(placed.cfg, 2, MAX_LEN, mesh, num_slots=10))):
+    p = np.concatenate([prompt(cfg, 24, 100), prompt(cfg, 25, 61)])
+    _, cache = st.prefill(jnp.asarray(p), jnp.asarray([0, 100, 161], jnp.int32), cache)
+    logits, cache = st.verify(jnp.asarray(toks), cache, drafts)
+    cache, next_drafts = k3jax.accept(cache, drafts, jnp.asarray([3, 1], jnp.int32))
+    after, _ = st.decode(jnp.asarray(toks[:, 0]), cache)
+    results.append((np.asarray(logits), np.asarray(after), np.asarray(next_drafts)))
+  (one, one_after, one_drafts), (many, many_after, many_drafts) = results
+  close(many, one)
+  close(many_after, one_after)
+  np.testing.assert_array_equal(many_drafts, one_drafts)
+
+
+def flows(cfg):
+  """A prefix hit (a 130-token prompt admitted twice at a 64-token interval: the second skips 128 tokens) and a
+  verify + accept, with the row's KDA states after each: the arrays ``test_serving_under_the_kernels``
+  compares between impls."""
+  step = k3jax.jit_model_step(k3jax.KimiK3Model(cfg, rngs=nnx.Rngs(3)), compiler_options=FAST)
+  cache, pc = fresh(cfg)
+  p = prompt(cfg, 30, 130)
+  _, cache, (a,) = serving.admit(step, cache, pc, [serving.Request(0, p, NEW)])
+  cache = serving.finish(cache, pc, a)
+  hit, cache, (b,) = serving.admit(step, cache, pc, [serving.Request(1, p, NEW)])
+  assert b.cached_tokens == 128
+  states = lambda c, slot: [np.asarray(getattr(st, n)[slot], np.float64) for st in c.kda for n in ("recurrent",
+                                                                                                    "conv_v")]
+  out = {"hit": np.asarray(hit)[1], "hit_states": states(cache, b.slot)}
+  toks = jnp.asarray(np.stack([np.zeros(1 + S, np.int32), prompt(cfg, 31, 1 + S)]))
+  drafts = jnp.asarray([[-1] * S, list(pc.slots.allocate(S))], jnp.int32)
+  logits, cache = step.verify(toks, cache, drafts)
+  cache, _ = k3jax.accept(cache, drafts, jnp.asarray([0, 3], jnp.int32))
+  out.update(verify=np.asarray(logits)[1], accepted_states=states(cache, int(cache.state_indices[1])))
+  return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_serving_under_the_kernels(impl):
+  """Prefix hit and verify + accept with the Mosaic GPU kernels (interpret mode on the CPU) equal the xla run.
+
+  bf16 activations and cache (the kernels take bf16), K = 64, dense FFNs (a rounding difference could flip a
+  top-k choice); the states are f32: the kernels and the references round the bf16 inputs differently."""
+  base = preset("tiny", impl="xla", num_hidden_layers=2, layer_types=("kda", "mla"), kda_head_dim=64,
+                first_k_dense_replace=2)
+  want, got = flows(base), flows(base.replace(impl=impl))
+  for key in ("hit", "verify"):
+    a, b = got[key], want[key]
+    assert a.shape == b.shape and np.isfinite(a).all()
+    np.testing.assert_allclose(a, b, atol=5e-2, rtol=5e-2, err_msg=key)
+  for key in ("hit_states", "accepted_states"):
+    for a, b in zip(got[key], want[key]):
+      assert np.isfinite(a).all()
+      err = np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2))
+      assert err <= 0.01, (key, err)  # the f32-state checkpoint tolerance

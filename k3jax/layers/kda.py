@@ -120,16 +120,32 @@ class KdaLayer(nnx.Module):
         state_indices=state_indices, has_initial_state=has_initial_state, config=self.cfg.kda_op_config(), **ckpt)
     return self._output(x, o), KdaState(recurrent=recurrent, **pools)
 
-  def decode(self, x: jax.Array, state: KdaState, *, state_indices: jax.Array) -> tuple[jax.Array, KdaState]:
-    """One token per sequence: ``x [N, D]``, ``state_indices [N]`` -> ``([N, D], state)``."""
+  def decode(self, x: jax.Array, state: KdaState, *, state_indices: jax.Array,
+             num_accepted: jax.Array | None = None) -> tuple[jax.Array, KdaState]:
+    """One token per sequence, or the speculative verify form of the ops.
+
+    Args:
+      x: ``[N, D]`` (one token per sequence), or ``[N * (1 + S), D]`` sequence-major for the speculative form.
+      state: this layer's pool (``KdaState``).
+      state_indices: ``[N]`` int32 pool slots (read and written in place), or ``[N, 1 + S]``: the state is read
+        from column ``num_accepted[n] - 1`` and the state after token t written to column t.
+      num_accepted: ``[N]`` int32, with (and only with) the ``[N, 1 + S]`` form.
+
+    Returns:
+      ``x``'s shape in ``cfg.dtype`` and the updated state.
+    """
     pre, g_raw, beta_raw = self._inputs(x)
+    lead = state_indices.shape
+    split = lambda a: a.reshape(*lead, *a.shape[1:])
+    flat = lambda a: a.reshape(-1, *a.shape[len(lead):])
     conv, pools = {}, {}
     for n, pool in _CONVS:
-      conv[n], pools[pool] = ops.mesh_short_conv_update(
-          pre[n], getattr(self, f"{n}_conv1d").taps(), conv_pool=getattr(state, pool), state_indices=state_indices,
-          config=self.cfg.short_conv_op_config())
+      y, pools[pool] = ops.mesh_short_conv_update(
+          split(pre[n]), getattr(self, f"{n}_conv1d").taps(), conv_pool=getattr(state, pool),
+          state_indices=state_indices, num_accepted=num_accepted, config=self.cfg.short_conv_op_config())
+      conv[n] = split(self._heads(flat(y)))
     o, recurrent = ops.mesh_kda_decode(
-        self._heads(conv["q"]), self._heads(conv["k"]), self._heads(conv["v"]), g_raw, beta_raw,
-        A_log=self.A_log[...], dt_bias=self.dt_bias[...], state_pool=state.recurrent,
-        state_indices=state_indices, config=self.cfg.kda_op_config())
-    return self._output(x, o), KdaState(recurrent=recurrent, **pools)
+        conv["q"], conv["k"], conv["v"], split(g_raw), split(beta_raw), A_log=self.A_log[...],
+        dt_bias=self.dt_bias[...], state_pool=state.recurrent, state_indices=state_indices,
+        num_accepted=num_accepted, config=self.cfg.kda_op_config())
+    return self._output(x, flat(o)), KdaState(recurrent=recurrent, **pools)
