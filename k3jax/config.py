@@ -35,7 +35,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from pallas_kernels import KdaConfig, MlaDecodeConfig, ShortConvConfig
+from pallas_kernels import KdaConfig, MlaDecodeConfig, MlaPrefillConfig, ShortConvConfig
 from pallas_kernels import util
 from pallas_kernels.mla import config as mla_config
 from pallas_kernels.mla.config import LATENT_DIM, ROPE_DIM
@@ -231,6 +231,12 @@ class K3Config:
 
   def mla_op_config(self) -> MlaDecodeConfig:
     return MlaDecodeConfig(scale=self.mla_scale, partial_dtype=self.partial_dtype, impl=self.impl)
+
+  def mla_prefill_op_config(self) -> MlaPrefillConfig:
+    """The Mosaic GPU prefill attention takes 16-bit inputs: an f32 model runs its blockwise XLA path (the same
+    result at f32 precision, not a rounded one)."""
+    impl = "xla" if jnp.dtype(self.dtype) == jnp.float32 else self.impl
+    return MlaPrefillConfig(scale=self.mla_scale, impl=impl)
 
   def short_conv_op_config(self) -> ShortConvConfig:
     """Kimi-Linear's q/k/v convolutions: SiLU after the convolution."""

@@ -1,9 +1,9 @@
-"""The mesh-aware ops: the only place layers get their KDA, short-convolution and MLA cache ops from.
+"""The mesh-aware ops: the only place layers get their KDA, short-convolution and MLA ops from.
 
 Each is the ``pallas_kernels`` op when no mesh of more than one device is set (``jax.set_mesh``), and on
-one its sharded form: the KDA and convolution ops run per device on their heads (``jax.shard_map``: heads
-are independent, states never move), the MLA cache is read and written in the decode-context-parallel
-layout of ``k3jax.dcp`` (tokens split over devices). The names say "mesh" so that they never shadow the
+one its sharded form: the KDA, convolution and MLA prefill attention ops run per device on their heads
+(``jax.shard_map``: heads are independent, states never move), the MLA cache is read and written in the
+decode-context-parallel layout of ``k3jax.dcp`` (tokens split over devices). The names say "mesh" so that they never shadow the
 ``pallas_kernels`` ops they wrap.
 """
 
@@ -18,6 +18,7 @@ from k3jax import dcp, sharding
 from pallas_kernels.kda import api as kda_ops
 from pallas_kernels.short_conv import api as short_conv_ops
 from pallas_kernels.mla import MlaDecodeConfig, mla_decode
+from pallas_kernels.mla_prefill import MlaPrefillConfig, mla_prefill_attention
 
 
 def _split_at(x: jax.Array, axis: int) -> tuple[str | None, ...]:
@@ -87,6 +88,17 @@ def mesh_short_conv_update(x, weight, *, conv_pool, state_indices, num_accepted=
       x=(x, channels), weight=(weight, ("kda_heads", None)), conv_pool=(conv_pool, sharding.CONV_POOL_NAMES),
       state_indices=(state_indices, None), num_accepted=(num_accepted, None)),
       (channels, sharding.CONV_POOL_NAMES), config=config)
+
+
+def mesh_mla_prefill_attention(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v: jax.Array, *,
+                               cu_seqlens: jax.Array, config: MlaPrefillConfig) -> tuple[jax.Array, jax.Array]:
+  """``pallas_kernels.mla_prefill_attention`` split over the MLA query heads on the ambient mesh; the same
+  signature and result. Heads are independent; the rope key (shared by all heads) and ``cu_seqlens`` go whole
+  to every device."""
+  heads = (None, "heads", None)
+  return _per_device(mla_prefill_attention, dict(
+      q=(q, heads), k_nope=(k_nope, heads), k_rope=(k_rope, None), v=(v, heads), cu_seqlens=(cu_seqlens, None)),
+      (heads, (None, "heads")), config=config)
 
 
 def mesh_mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, seq_lens: jax.Array, *,

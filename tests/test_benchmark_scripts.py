@@ -1,4 +1,5 @@
-"""CPU smoke runs of benchmarks/mla_prefill.py and benchmarks/long_prompt.py at tiny sizes (f32, impl xla)."""
+"""CPU smoke runs of benchmarks/mla_prefill.py, benchmarks/long_prompt.py and benchmarks/prefix_cache.py at tiny
+sizes (f32, impl xla)."""
 
 import json
 import pathlib
@@ -12,7 +13,7 @@ _ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
-from benchmarks import long_prompt, mla_prefill  # noqa: E402
+from benchmarks import long_prompt, mla_prefill, prefix_cache  # noqa: E402
 
 
 def test_mla_prefill_smoke(tmp_path, capsys):
@@ -63,3 +64,31 @@ def test_long_prompt_chunked_equals_one_shot(tmp_path, capsys):
   # and the one-shot path differ only in summation order.
   assert row["logits_max_rel_diff"] < 1e-4, row
   assert "one-shot vs chunked" in out and "decode" in out
+
+
+def test_prefix_cache_hit_matches_the_uncached_prefill(tmp_path, capsys):
+  log = tmp_path / "prefix_cache.jsonl"
+  assert prefix_cache.main(["--tiny", "--dtype", "float32", "--reps", "1", "--json", str(log),
+                            "--watchdog", "0"]) == 0
+  out = capsys.readouterr().out
+  (row,) = [json.loads(line) for line in log.read_text().splitlines()]
+  assert set(row) == set(prefix_cache.ROW_KEYS), row
+  assert (row["prefix_len"], row["new_len"], row["interval"], row["impl"]) == (256, 64, 64, "xla")
+  # 320 tokens at a 64-token interval: the uncached admit saves 5 checkpoints, the repeat hits at 256 (the
+  # longest boundary below 320) and prefills 64; the checkpoint prefill of the 256-token prefix saves 4.
+  assert (row["checkpoints_saved"], row["cached_tokens"], row["cached_prefill_tokens"], row["ckpt_count"]) == (
+      5, 256, 64, 4)
+  for key in ("uncached_ms", "cached_ms", "speedup", "prefill_ms", "prefill_ckpt_ms"):
+    assert np.isfinite(row[key]) and row[key] > 0, key
+  assert np.isfinite(row["ckpt_overhead_pct"])
+  assert len(row["uncached_ms_reps"]) == len(row["prefill_ckpt_ms_reps"]) == 1
+  # f32 everywhere, full-precision matmuls: the hit (a copied checkpoint, the prefix's latent rows read from the
+  # shared pages) and the whole-prompt prefill differ only in summation order.
+  assert row["logits_max_rel_diff"] < 1e-4, row
+  k3 = row["memory_kimi_k3"]
+  assert set(k3) == set(prefix_cache.MEMORY_KEYS) and k3["interval"] == 64
+  assert k3["checkpoint_bytes"] == k3["recurrent_bytes"] + k3["conv_bytes"]
+  assert k3["bytes_per_cached_token"] == k3["checkpoint_bytes"] / 64 + k3["page_bytes_per_token"]
+  assert row["memory_kimi_k3_bf16_state"]["recurrent_bytes"] * 2 == k3["recurrent_bytes"]
+  assert "command: python3 benchmarks/prefix_cache.py --tiny" in out and "device: " in out
+  assert "tokens skipped" in out and "overhead" in out

@@ -335,7 +335,8 @@ def test_jitted_api_checks_index_values_before_running():
                                        r"\[-1, 0\]"):
     k3jax.decode(model, jnp.asarray([-1, 0], jnp.int32), cache)
   full = cache.replace(seq_lens=jnp.asarray([64, 3], jnp.int32))
-  with pytest.raises(ValueError, match=r"cache.seq_lens must be < the cache capacity 64 .*, got \[64, 3\]"):
+  with pytest.raises(ValueError, match=r"cache.seq_lens must leave room for 1 more token\(s\) per active sequence "
+                                        r"\(the cache capacity is 64\), got \[64, 3\]"):
     k3jax.decode(model, jnp.asarray([1, 2], jnp.int32), full)
   with pytest.raises(ValueError, match=r"cache capacity 64 after the cached tokens \[64, 3\], got \[0, 0, 62\]"):
     k3jax.prefill(model, jnp.zeros(62, jnp.int32), jnp.asarray([0, 0, 62], jnp.int32), full)
@@ -386,7 +387,8 @@ def test_bad_inputs_raise():
     r.model.prefill(jnp.zeros(4, jnp.float32), jnp.asarray([0, 4, 4, 4], jnp.int32), cache)
   with pytest.raises(ValueError, match="tokens must have shape"):
     r.model.decode(jnp.zeros(2, jnp.int32), cache)
-  with pytest.raises(ValueError, match=r"cache.seq_lens must be < the cache capacity 128 .*, got \[128, 0, 0\]"):
+  with pytest.raises(ValueError, match=r"cache.seq_lens must leave room for 1 more token\(s\) per active sequence "
+                                        r"\(the cache capacity is 128\), got \[128, 0, 0\]"):
     r.model.decode(jnp.zeros(3, jnp.int32), cache.replace(seq_lens=jnp.asarray([128, 0, 0], jnp.int32)))
   with pytest.raises(ValueError, match="names must have one entry"):
     nn_util.param(nnx.Rngs(0), nn_util.norm_weight, (3, 4), jnp.float32, ("embed",))

@@ -5,7 +5,8 @@
 and ``W_UV [R, H, dv]``. Nothing is rotated (NoPE); the ``dr`` slice is shared by all heads.
 
 * Prefill (non-absorbed): ``k = [c W_UK | k_pe]``, ``v = c W_UV``, causal attention among the new tokens of
-  each packed sequence (``mla_prefill_attention``: blockwise, no ``[T, T]`` array); a sequence that already
+  each packed sequence (``mla_prefill_attention``, never a ``[T, T]`` array: its Mosaic GPU kernel with 16-bit
+  activations, its blockwise XLA path otherwise; per device on its heads on a mesh); a sequence that already
   has cached tokens (chunked prefill) also attends to them in the absorbed form below, and the two parts are
   merged by their log-sum-exp (``merge_partials``). A batch without any cached prefix skips that part.
 * Decode (absorbed): ``q_abs = [W_UK q_nope | q_pe]`` against the cached rows ``[c | k_pe]`` with
@@ -26,7 +27,7 @@ from flax import nnx
 from k3jax import nn_util, ops
 from k3jax.config import K3Config
 from k3jax.layers.norms import RMSNorm
-from pallas_kernels import MlaPrefillConfig, merge_partials, mla_prefill_attention
+from pallas_kernels import merge_partials
 
 # Query rows per step of a prefill's cached-prefix attention (``MlaLayer._attend_prefix``): each row of the
 # XLA decode gathers its whole block table, so the step's buffers grow with this times the cache capacity.
@@ -156,9 +157,8 @@ class MlaLayer(nnx.Module):
     # with seq >= n; within it ``pos`` grows with the token index, so causal by index is causal by position.
     cu_seqlens = jnp.searchsorted(seq, jnp.arange(block_table.shape[0] + 1, dtype=seq.dtype),
                                   side="left").astype(jnp.int32)
-    # The op's default impl (its blockwise XLA path) until its Mosaic GPU kernel exists.
-    o_new, lse_new = mla_prefill_attention(q, k_nope, lat[:, r:], v, cu_seqlens=cu_seqlens,
-                                           config=MlaPrefillConfig(scale=cfg.mla_scale))
+    o_new, lse_new = ops.mesh_mla_prefill_attention(q, k_nope, lat[:, r:], v, cu_seqlens=cu_seqlens,
+                                                    config=cfg.mla_prefill_op_config())
     token_prefix = prefix_lens[seq]
 
     def attend_prefix():
