@@ -3,8 +3,8 @@
 Each is the ``pallas_kernels`` op when no mesh of more than one device is set (``jax.set_mesh``), and on
 one its sharded form: the KDA, convolution and MLA prefill attention ops run per device on their heads
 (``jax.shard_map``: heads are independent, states never move), the MLA cache is read and written in the
-decode-context-parallel layout of ``k3jax.dcp`` (tokens split over devices). The names say "mesh" so that they never shadow the
-``pallas_kernels`` ops they wrap.
+decode-context-parallel layout of ``k3jax.dcp`` (tokens split over devices). The names say "mesh" so that they
+never shadow the ``pallas_kernels`` ops they wrap.
 """
 
 from __future__ import annotations
