@@ -48,3 +48,20 @@ def test_a_single_json_line_is_one_row(tmp_path: pathlib.Path):
   path.write_text(json.dumps(dict(prefill_ms=34.8, prefill_tok_s=58909.0, decode_ms=5.11, peak_gib=11.85)) + "\n")
   assert gpu_check._sharded_block("", path) == ("prefill 34.8 ms (58,909 tok/s), decode 5.11 ms/step, "
                                                 "peak 11.8 GiB/device")
+
+
+def test_mla_prefill_and_prefix_cache_summaries(tmp_path: pathlib.Path):
+  path = tmp_path / "mla.jsonl"
+  rows = [dict(shape="T=32768 N=1x32768 H=96", impl="ours (pallas)", ms=50.0, tflops=660.0, peak_frac=0.835),
+          dict(shape="T=32768 N=1x32768 H=96", impl="torch-cudnn", ms=55.0),
+          dict(shape="T=32768 N=1x32768 H=96", impl="jax-cudnn-mla", ms=None),
+          dict(shape="T=32768 N=1x32768 H=11", impl="ours (pallas)", ms=None, status="unsupported: f32")]
+  path.write_text("\n".join(json.dumps(r) for r in rows))
+  assert gpu_check._mla_prefill("", path) == ("T=32768 N=1x32768 H=96 50.000 ms, 660 TFLOP/s (84% of peak), "
+                                              "1.10x torch-cudnn; T=32768 N=1x32768 H=11 ours (pallas): "
+                                              "unsupported: f32")
+  path = tmp_path / "pc.jsonl"
+  path.write_text(json.dumps(dict(prefix_len=32768, new_len=1024, uncached_ms=900.0, cached_ms=60.0, speedup=15.0,
+                                  logits_max_rel_diff=3e-3, interval=2048, ckpt_overhead_pct=1.25)))
+  assert gpu_check._prefix_cache("", path) == ("32768+1024 tokens: uncached 900.0 ms, cached 60.0 ms (15.00x, "
+                                               "logits rel diff 3.0e-03); checkpoints every 2048 cost +1.2%")

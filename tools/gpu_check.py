@@ -4,8 +4,9 @@ Sections (each a subprocess with its own time limit and log):
   gpu-tests    ``pytest -m gpu``: the compiled kernels at real sizes
   randomized   ``pytest tests/test_randomized_*.py`` with the GPU example budget (compiled kernels)
   demo         ``python -m k3jax.demo`` with the Pallas kernels
-  kda-prefill, kda-decode, short-conv, mla-decode, sharded-block   each benchmark in its quick mode; the
-               summary quotes the key numbers and the ratios to the peers (FLA where it is installed)
+  kda-prefill, kda-decode, short-conv, mla-decode, mla-prefill, sharded-block, prefix-cache   each benchmark
+               in its quick mode; the summary quotes the key numbers and the ratios to the peers (FLA,
+               FlashKDA and FlashMLA where they are importable, cuDNN and torch SDPA for the prefill)
 
 The table goes to stdout and to ``<out>/gpu-check.md`` (logs and benchmark JSON beside it); the last line is
 the one-line summary. Exit status 1 when a section fails. Run on the GPU machine with the image's python3:
@@ -88,6 +89,31 @@ _mla_decode = _each(lambda r: f"B={r['batch']} ctx={r['context']} Hq={r['heads']
                               f"{_ratio(r, 'ratio_flashmla', 'FlashMLA')}")
 
 
+def _mla_prefill(_: str, path: pathlib.Path) -> str:
+  """Per shape: our time, TFLOP/s and fraction of the bf16 peak, and the ratio to the fastest peer that ran."""
+  shapes: dict[str, list[dict]] = {}
+  for r in _rows(path):
+    shapes.setdefault(r["shape"], []).append(r)
+  parts = []
+  for shape, rows in shapes.items():
+    ours = next(r for r in rows if r["impl"].startswith("ours"))
+    if ours["ms"] is None:
+      parts.append(f"{shape} {ours['impl']}: {ours['status']}")
+      continue
+    peers = [r for r in rows if r is not ours and r["ms"] is not None]
+    best = min(peers, key=lambda r: r["ms"], default=None)
+    vs = "" if best is None else f", {best['ms'] / ours['ms']:.2f}x {best['impl']}"
+    parts.append(f"{shape} {ours['ms']:.3f} ms, {ours['tflops']:.0f} TFLOP/s ({ours['peak_frac']:.0%} of peak){vs}")
+  return "; ".join(parts)
+
+
+def _prefix_cache(_: str, path: pathlib.Path) -> str:
+  r = _rows(path)[-1]
+  return (f"{r['prefix_len']}+{r['new_len']} tokens: uncached {r['uncached_ms']:.1f} ms, cached {r['cached_ms']:.1f} "
+          f"ms ({r['speedup']:.2f}x, logits rel diff {r['logits_max_rel_diff']:.1e}); checkpoints every "
+          f"{r['interval']} cost {r['ckpt_overhead_pct']:+.1f}%")
+
+
 def _sharded_block(_: str, path: pathlib.Path) -> str:
   r = _rows(path)[-1]
   return (f"prefill {r['prefill_ms']:.1f} ms ({r['prefill_tok_s']:,.0f} tok/s), decode {r['decode_ms']:.2f} ms/step, "
@@ -110,9 +136,14 @@ SECTIONS = (
     Section("short-conv", (PY, "benchmarks/short_conv.py", "--quick", "--json", "{json}"), 300, _short_conv),
     Section("mla-decode", (PY, "benchmarks/mla_decode.py", "--batch", "32", "--context", "32768", "--heads", "16",
                            "128", "--json", "{json}"), 300, _mla_decode),
+    Section("mla-prefill", (PY, "benchmarks/mla_prefill.py", "--T", "32768", "--N", "1", "--H", "96", "11",
+                            "--impl", "pallas", "--peers", "jax-cudnn-mla", "torch-cudnn", "--json", "{json}"),
+            300, _mla_prefill),
     Section("sharded-block", (PY, "benchmarks/sharded_block.py", "--devices", "1", "--experts", "16", "--seqs", "2",
                               "--prompt-len", "1024", "--context", "4096", "--decode-steps", "2", "--reps", "1",
                               "--json", "{json}"), 300, _sharded_block),
+    Section("prefix-cache", (PY, "benchmarks/prefix_cache.py", "--experts", "16", "--reps", "3", "--json", "{json}"),
+            300, _prefix_cache),
 )
 
 
