@@ -7,9 +7,10 @@ The block, its parameters and the expert fit are ``benchmarks/sharded_block.py``
 
 (a) chunked prefill: L / ``--chunk`` successive ``ModelStep.prefill`` calls of the same sequence (the chunk
     must divide L). ``KimiK3Model.prefill`` continues a sequence whose ``seq_lens`` is > 0: KDA reads its state
-    and conv window, and the MLA layer's new tokens attend causally among themselves (``mla_prefill_attention``)
-    and to the cached latent rows of the earlier chunks (absorbed, ``mla_decode``), merged by log-sum-exp.
-    Each call is waited for, so the per-chunk times show the prefix attention growing with the position.
+    and conv window, and the MLA layer reads the sequence's cached latent rows back, up-projects them, and its
+    new tokens attend to all of them causally as the last queries (``mla_prefill_attention`` with
+    ``cu_seqlens_k``). Each call is waited for, so the per-chunk times show the attention growing with the
+    position.
 (b) decode: ``--warmup`` + ``--decode-steps`` steps on the cache the chunked prefill left (context L; after
     the one-shot prefill when ``--chunk 0``): ms per step (median of the timed steps) and tokens/s.
 (c) one-shot prefill: one call of all L tokens.
@@ -84,7 +85,7 @@ def fit_modes(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Names
   """``(experts, {(L, mode): None or why it is skipped})`` from ``sharded_block.fit_experts`` per mode.
 
   One-shot fits L prefill tokens; chunked a chunk of tokens (its cache sized to the chunk, not L: the cache
-  and the prefix attention's buffers are small next to the experts) and the decode at context L. ``limit``:
+  and the read-back prefix's buffers are small next to the experts) and the decode at context L. ``limit``:
   bytes one device can allocate.
 
   Raises:

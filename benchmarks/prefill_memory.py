@@ -42,7 +42,9 @@ def layer_temp_bytes(t: int) -> int:
           spec((t,), jnp.int32), spec((1, pages), jnp.int32), spec((1,), jnp.int32))
 
   def prefill(state, x, kv, seq, pos, table, prefix):
-    return nnx.merge(graph, state).prefill(x, kv, seq=seq, pos=pos, block_table=table, prefix_lens=prefix)
+    # A fresh prefill: no cached prefix to read back.
+    return nnx.merge(graph, state).prefill(x, kv, seq=seq, pos=pos, block_table=table, prefix_lens=prefix,
+                                           prefix_rows=0)
 
   return jax.jit(prefill).lower(*args).compile().memory_analysis().temp_size_in_bytes
 

@@ -143,15 +143,42 @@ def _dcp_mla_decode(q_abs, kv_cache, block_table, seq_lens, *, mesh, config):
   return fn(q_abs, kv_cache, block_table, seq_lens)
 
 
-def write_local(kv, block_table, seq_ids, positions, kv_new, *, n, rank):
-  pages, page_rows = kv.shape[:2]
+def _local_place(kv, block_table, seq_ids, positions, *, n, rank):
+  """``(page, row, mine)`` of each token on device ``rank`` of ``n``: ``mine`` where the device owns it."""
+  page_rows = kv.shape[1]
   local = positions // n
   col = jnp.clip(local // page_rows, 0, block_table.shape[1] - 1)
   page = block_table[jnp.clip(seq_ids, 0, block_table.shape[0] - 1), col]
   mine = (seq_ids >= 0) & (positions >= 0) & (positions % n == rank) & (page >= 0)
+  return page, local % page_rows, mine
+
+
+def write_local(kv, block_table, seq_ids, positions, kv_new, *, n, rank):
+  page, row, mine = _local_place(kv, block_table, seq_ids, positions, n=n, rank=rank)
   # Tokens owned elsewhere get an out-of-range page and are dropped by the scatter.
-  page = jnp.where(mine, page, pages)
-  return kv.at[page, local % page_rows].set(kv_new.astype(kv.dtype), mode="drop")
+  return kv.at[jnp.where(mine, page, kv.shape[0]), row].set(kv_new.astype(kv.dtype), mode="drop")
+
+
+def read_local(kv, block_table, seq_ids, positions, *, n, rank):
+  """The rows of the tokens device ``rank`` owns, zeros for the others (``write_local``'s gather)."""
+  page, row, mine = _local_place(kv, block_table, seq_ids, positions, n=n, rank=rank)
+  return jnp.where(mine[:, None], kv[jnp.clip(page, 0, kv.shape[0] - 1), row], 0)
+
+
+def _read_on_mesh(kv, block_table, seq_ids, positions):
+  local = read_local(kv, block_table, seq_ids, positions, n=jax.lax.axis_size(sharding.MODEL),
+                     rank=jax.lax.axis_index(sharding.MODEL))
+  # Exactly one device holds each token: the sum over devices adds zeros to it (exact, NaN kept).
+  return jax.lax.psum(local, sharding.MODEL)
+
+
+def dcp_read(kv_cache: jax.Array, block_table: jax.Array, seq_ids: jax.Array, positions: jax.Array, *,
+             mesh: jax.sharding.Mesh) -> jax.Array:
+  """The cached latent rows of tokens, gathered from their owner devices: ``[T, Dc + Dr]`` in the cache dtype,
+  replicated; zeros for a skipped token (``seq_ids`` or ``positions`` -1, or a -1 page). Arguments as
+  ``dcp_write``'s (one all-reduce of ``T`` rows)."""
+  fn = sharding.shard_kernel(_read_on_mesh, (CACHE_NAMES, None, None, None), None, mesh)
+  return fn(kv_cache, block_table, seq_ids.astype(jnp.int32), positions.astype(jnp.int32))
 
 
 def _write_on_mesh(kv, block_table, seq_ids, positions, kv_new):

@@ -40,7 +40,7 @@ def _check_token_ids(tokens: jax.Array, vocab_size: int) -> None:
 
 
 def check_prefill_inputs(tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache, *, vocab_size: int,
-                         checkpoints: Checkpoints | None = None) -> None:
+                         checkpoints: Checkpoints | None = None, prefix_rows: int | None = None) -> None:
   """The arguments of ``KimiK3Model.prefill``: shapes and dtypes always, index values when they are concrete.
 
   Values are checked on the host (``cache.seq_lens`` is copied from the device) only for concrete arrays, so
@@ -53,6 +53,7 @@ def check_prefill_inputs(tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelC
     vocab_size: the real vocabulary (a padded model's ``cfg.vocab_size`` counts padding rows).
     checkpoints: ``Checkpoints`` or None: offsets multiples of 64 in ``(0, L_n]``, slots in ``[-1, P)``,
       distinct and none of them any sequence's ``state_indices`` entry.
+    prefix_rows: None or an int >= the cached tokens of the sequences with new tokens.
 
   Raises:
     ValueError: naming the argument, what was expected and what was given.
@@ -80,6 +81,25 @@ def check_prefill_inputs(tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelC
     _check_pages_held(cache, total)
   if checkpoints is not None:
     _check_checkpoints(t, cu_seqlens, cache, checkpoints)
+  if prefix_rows is not None:
+    need = _prefix_tokens(cu_seqlens, cache.seq_lens)
+    if isinstance(prefix_rows, bool) or not isinstance(prefix_rows, int) or prefix_rows < (need or 0):
+      raise ValueError(f"prefix_rows must be an int >= the cached tokens of the sequences with new tokens "
+                       f"({'unknown' if need is None else need}), got {prefix_rows!r}")
+
+
+def _prefix_tokens(cu_seqlens: jax.Array, seq_lens: jax.Array) -> int | None:
+  """The cached tokens of the sequences with new tokens, summed; None when either array is traced."""
+  cu, cached = util.concrete(cu_seqlens), util.concrete(seq_lens)
+  return None if cu is None or cached is None else int(cached[np.diff(cu) > 0].sum())
+
+
+def needed_prefix_rows(cu_seqlens: jax.Array, seq_lens: jax.Array) -> int | None:
+  """The ``prefix_rows`` bound of a prefill from concrete values: its cached prefix tokens rounded up to a power
+  of two >= 64 (so that few bounds, each compiled once, serve every batch), 0 when there are none; None when
+  either array is traced."""
+  total = _prefix_tokens(cu_seqlens, seq_lens)
+  return total if not total else max(PAGE_SIZE, 1 << (total - 1).bit_length())
 
 
 def _check_checkpoints(t: int, cu_seqlens: jax.Array, cache: ModelCache, ckpt: Checkpoints) -> None:
@@ -286,7 +306,8 @@ class KimiK3Model(nnx.Module):
     return logits, cache.replace(kda=tuple(entries[KDA]), mla=tuple(entries[MLA]))
 
   def prefill(self, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache, *,
-              last_only: bool = False, checkpoints: Checkpoints | None = None) -> tuple[jax.Array, ModelCache]:
+              last_only: bool = False, checkpoints: Checkpoints | None = None,
+              prefix_rows: int | None = None) -> tuple[jax.Array, ModelCache]:
     """Prefill of a packed varlen batch; sequence n of the batch extends sequence n of the cache.
 
     A sequence with ``seq_lens[n] == 0`` starts fresh; one with cached tokens continues from them (chunked
@@ -304,6 +325,10 @@ class KimiK3Model(nnx.Module):
         largest array of the step (a 128K-token prompt at vocab 163840: 80 GiB).
       checkpoints: ``Checkpoints`` or None: every KDA layer also writes its recurrent and conv states after
         the given offsets into the given pool slots (what ``k3jax.prefix_cache`` keeps for later prompts).
+      prefix_rows: static bound on the cached tokens the MLA layers read back (``MlaLayer.prefill``): at least
+        the sum of ``seq_lens[n]`` over the sequences with new tokens. None: ``needed_prefix_rows(cu_seqlens,
+        seq_lens)`` when both are concrete, else every sequence's whole capacity (``ModelStep.prefill``, under
+        its jit, passes the computed bound).
 
     Returns:
       ``logits [T, vocab]`` (``[N, vocab]`` with ``last_only``) f32 and the updated cache (``seq_lens + L``;
@@ -313,7 +338,10 @@ class KimiK3Model(nnx.Module):
       ValueError: from ``check_prefill_inputs``; index values only when they are concrete (``k3jax.prefill``
         checks them before its jit).
     """
-    check_prefill_inputs(tokens, cu_seqlens, cache, vocab_size=self.cfg.vocab_size, checkpoints=checkpoints)
+    check_prefill_inputs(tokens, cu_seqlens, cache, vocab_size=self.cfg.vocab_size, checkpoints=checkpoints,
+                         prefix_rows=prefix_rows)
+    if prefix_rows is None:
+      prefix_rows = needed_prefix_rows(cu_seqlens, cache.seq_lens)
     t = tokens.shape[0]
     if t == 0:
       # Every L_n is 0: no sequence changes, and no layer has a row to run on.
@@ -330,7 +358,8 @@ class KimiK3Model(nnx.Module):
                           has_initial_state=has_initial_state, checkpoints=checkpoints)
 
     def mla_fn(attn: MlaLayer, h, kv):
-      return attn.prefill(h, kv, seq=seq, pos=pos, block_table=cache.block_table, prefix_lens=cache.seq_lens)
+      return attn.prefill(h, kv, seq=seq, pos=pos, block_table=cache.block_table, prefix_lens=cache.seq_lens,
+                          prefix_rows=prefix_rows)
 
     rows = jnp.maximum(cu_seqlens[1:] - 1, 0) if last_only else None
     logits, cache = self._run(tokens, cache, kda_fn, mla_fn, rows)

@@ -91,14 +91,15 @@ def mesh_short_conv_update(x, weight, *, conv_pool, state_indices, num_accepted=
 
 
 def mesh_mla_prefill_attention(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v: jax.Array, *,
-                               cu_seqlens: jax.Array, config: MlaPrefillConfig) -> tuple[jax.Array, jax.Array]:
+                               cu_seqlens: jax.Array, cu_seqlens_k: jax.Array | None = None,
+                               config: MlaPrefillConfig) -> tuple[jax.Array, jax.Array]:
   """``pallas_kernels.mla_prefill_attention`` split over the MLA query heads on the ambient mesh; the same
-  signature and result. Heads are independent; the rope key (shared by all heads) and ``cu_seqlens`` go whole
+  signature and result. Heads are independent; the rope key (shared by all heads) and the boundaries go whole
   to every device."""
   heads = (None, "heads", None)
   return _per_device(mla_prefill_attention, dict(
-      q=(q, heads), k_nope=(k_nope, heads), k_rope=(k_rope, None), v=(v, heads), cu_seqlens=(cu_seqlens, None)),
-      (heads, (None, "heads")), config=config)
+      q=(q, heads), k_nope=(k_nope, heads), k_rope=(k_rope, None), v=(v, heads), cu_seqlens=(cu_seqlens, None),
+      cu_seqlens_k=(cu_seqlens_k, None)), (heads, (None, "heads")), config=config)
 
 
 def mesh_mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, seq_lens: jax.Array, *,
@@ -112,6 +113,18 @@ def mesh_mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Arra
   if mesh is None:
     return mla_decode(q_abs, kv_cache, block_table, seq_lens, config=config)
   return dcp.dcp_mla_decode(q_abs, kv_cache, block_table, seq_lens, mesh=mesh, config=config)
+
+
+def mesh_read_rows(kv_cache: jax.Array, block_table: jax.Array, seq: jax.Array, pos: jax.Array) -> jax.Array:
+  """Cache read for model code: ``[M, R + dr]`` rows of token ``pos[i]`` of sequence ``seq[i]`` (-1: zeros).
+
+  On the ambient mesh this is ``k3jax.dcp.dcp_read`` (gathered from the owner devices); without one a gather.
+  """
+  mesh = sharding.ambient_mesh()
+  seq, pos = seq.astype(jnp.int32), pos.astype(jnp.int32)
+  if mesh is None:
+    return dcp.read_local(kv_cache, block_table, seq, pos, n=1, rank=0)
+  return dcp.dcp_read(kv_cache, block_table, seq, pos, mesh=mesh)
 
 
 def mesh_write_rows(kv_cache: jax.Array, rows: jax.Array, block_table: jax.Array, seq: jax.Array,

@@ -91,7 +91,9 @@ class ModelStep:
       self.check_prefill(tokens, cu_seqlens, cache, checkpoints=checkpoints)
       if tokens.shape[0] == 0:  # every L_n is 0: nothing changes (as KimiK3Model.prefill)
         return model_lib.empty_prefill_logits(cu_seqlens.shape[0] - 1, self.vocab_size, last_only), cache
-      return self.prefill_jit(self.state, tokens, cu_seqlens, cache, last_only, checkpoints)
+      # The MLA layers' bound on cached rows to read back, from the host's values (static: one compile each).
+      rows = model_lib.needed_prefix_rows(cu_seqlens, cache.seq_lens)
+      return self.prefill_jit(self.state, tokens, cu_seqlens, cache, last_only, checkpoints, rows)
 
   def check_prefill(self, tokens: jax.Array, cu_seqlens: jax.Array, cache: ModelCache, *,
                     checkpoints: Checkpoints | None = None) -> None:
@@ -126,11 +128,11 @@ class ModelStep:
       return self.verify_jit(self.state, tokens, cache, draft_slots)
 
   def lowered(self, kind: str, *args) -> jax.stages.Lowered:
-    """``prefill`` (args ``tokens, cu_seqlens, cache[, last_only[, checkpoints]]``), ``decode`` (args ``tokens,
-    cache``) or ``verify`` (args ``tokens, cache, draft_slots``) lowered for these arguments, no host checks (for
-    compiled HLO and memory analyses)."""
+    """``prefill`` (args ``tokens, cu_seqlens, cache[, last_only[, checkpoints[, prefix_rows]]]``), ``decode``
+    (args ``tokens, cache``) or ``verify`` (args ``tokens, cache, draft_slots``) lowered for these arguments, no
+    host checks (for compiled HLO and memory analyses). ``prefix_rows`` defaults to 0: a fresh prefill."""
     if kind == "prefill":  # the jit's shardings name every argument: the defaults are passed explicitly
-      args = args + (False, None)[len(args) - 3:]
+      args = args + (False, None, 0)[len(args) - 3:]
     fn = {"prefill": self.prefill_jit, "decode": self.decode_jit, "verify": self.verify_jit}[kind]
     with self._context():
       return fn.lower(self.state, *args)
@@ -147,9 +149,9 @@ def _jit_steps(graphdef: nnx.GraphDef, vocab: int, shardings: tuple | None,
   """The jitted ``(prefill, decode, verify, copy_slots)`` of a model's graph: ``shardings`` is ``(params, caches,
   whole)`` on a mesh and None on one device (the arguments' own placement)."""
 
-  def prefill(state, tokens, cu_seqlens, cache, last_only=False, checkpoints=None):
+  def prefill(state, tokens, cu_seqlens, cache, last_only=False, checkpoints=None, prefix_rows=None):
     logits, cache = nnx.merge(graphdef, state).prefill(tokens, cu_seqlens, cache, last_only=last_only,
-                                                       checkpoints=checkpoints)
+                                                       checkpoints=checkpoints, prefix_rows=prefix_rows)
     return logits[:, :vocab], cache
 
   def decode(state, tokens, cache):
@@ -162,13 +164,13 @@ def _jit_steps(graphdef: nnx.GraphDef, vocab: int, shardings: tuple | None,
 
   options = None if compiler_options is None else dict(compiler_options)
   if shardings is None:
-    return (jax.jit(prefill, donate_argnums=3, static_argnums=4, compiler_options=options),
+    return (jax.jit(prefill, donate_argnums=3, static_argnums=(4, 6), compiler_options=options),
             jax.jit(decode, donate_argnums=2, compiler_options=options),
             jax.jit(verify, donate_argnums=2, compiler_options=options),
             jax.jit(cache_lib.copy_slots, donate_argnums=0))
   params, caches, whole = shardings
   return (jax.jit(prefill, in_shardings=(params, whole, whole, caches, whole), out_shardings=(whole, caches),
-                  donate_argnums=3, static_argnums=4, compiler_options=options),
+                  donate_argnums=3, static_argnums=(4, 6), compiler_options=options),
           jax.jit(decode, in_shardings=(params, whole, caches), out_shardings=(whole, caches), donate_argnums=2,
                   compiler_options=options),
           jax.jit(verify, in_shardings=(params, whole, caches, whole), out_shardings=(whole, caches),

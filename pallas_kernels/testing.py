@@ -333,27 +333,31 @@ def mla_hand_case():
   return tuple(jnp.asarray(x) for x in (q, cache, table, lens)), (o, lse)
 
 
-def mla_prefill_oracle(q, k_nope, k_rope, v, cu_seqlens, scale: float):
-  """float64 causal attention within each packed sequence, the rope key ``k_rope [T, Dr]`` shared by all heads.
+def mla_prefill_oracle(q, k_nope, k_rope, v, cu_seqlens, scale: float, cu_seqlens_k=None):
+  """float64 causal attention within each packed sequence, the rope key ``k_rope [Tk, Dr]`` shared by all heads.
 
   Args:
-    q: ``[T, H, Dn + Dr]``. k_nope: ``[T, H, Dn]``. v: ``[T, H, Dv]``. cu_seqlens: ``[N + 1]`` boundaries.
+    q: ``[T, H, Dn + Dr]``. k_nope: ``[Tk, H, Dn]``. v: ``[Tk, H, Dv]``. cu_seqlens: ``[N + 1]`` boundaries.
+    cu_seqlens_k: ``[N + 1]`` key boundaries, or None (``Tk = T``, the keys are the queries' tokens): sequence
+      n's queries are its last ``L_n`` of ``Lk_n`` tokens, query t seeing keys ``0 .. Lk_n - L_n + t``.
 
   Returns:
     ``o [T, H, Dv]`` f64 and ``lse [T, H]`` f64 natural log.
   """
   q, k_nope, k_rope, v = (_f64(x) for x in (q, k_nope, k_rope, v))
   cu = np.asarray(cu_seqlens)
+  cuk = cu if cu_seqlens_k is None else np.asarray(cu_seqlens_k)
   t, h, _ = q.shape
   o, lse = np.zeros((t, h, v.shape[-1])), np.zeros((t, h))
-  for a, b in zip(cu[:-1], cu[1:]):
+  for a, b, ka, kb in zip(cu[:-1], cu[1:], cuk[:-1], cuk[1:]):
     if a == b:
       continue
-    k = np.concatenate([k_nope[a:b], np.broadcast_to(k_rope[a:b, None], (b - a, h, k_rope.shape[-1]))], axis=-1)
+    k = np.concatenate([k_nope[ka:kb], np.broadcast_to(k_rope[ka:kb, None], (kb - ka, h, k_rope.shape[-1]))],
+                       axis=-1)
     s = np.einsum("qhd,khd->hqk", q[a:b], k) * scale
-    s = np.where(np.tril(np.ones((b - a, b - a), bool))[None], s, -np.inf)
+    s = np.where(np.tril(np.ones((b - a, kb - ka), bool), k=(kb - ka) - (b - a))[None], s, -np.inf)
     m = s.max(-1, keepdims=True)
     p = np.exp(s - m)
-    o[a:b] = np.einsum("hqk,khv->qhv", p / p.sum(-1, keepdims=True), v[a:b])
+    o[a:b] = np.einsum("hqk,khv->qhv", p / p.sum(-1, keepdims=True), v[ka:kb])
     lse[a:b] = (m[..., 0] + np.log(p.sum(-1))).T
   return o, lse

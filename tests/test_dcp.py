@@ -168,6 +168,36 @@ def test_dcp_write_places_tokens_on_their_owner_only():
   np.testing.assert_array_equal(np.asarray(out), mla_paged_cache(tokens, lens, table, pages, devices=n))
 
 
+@pytest.mark.parametrize("n", [1, 9])
+def test_dcp_read_gathers_each_token_from_its_owner(n):
+  """``dcp_read`` (``read_local`` without a mesh) returns the rows ``dcp_write`` put there, bitwise (NaN rows
+  included), and zeros for skipped tokens (seq -1, position -1, a -1 page)."""
+  rng = np.random.default_rng(4)
+  lens = [0, 3, 9, 70, 700]
+  _, tokens = make_inputs(rng, len(lens), 1, lens)
+  tokens[3, 5] = np.nan  # a poisoned row comes back as it is
+  table, pages = dcp_table(rng, lens, n)
+  cache = mla_paged_cache(tokens, lens, table, pages, devices=n)
+  table[1, 0] = -1  # sequence 1's page is no longer held: its tokens read as zeros
+  seq_ids = np.concatenate([np.full(length, b) for b, length in enumerate(lens)] + [[-1, 2]]).astype(np.int32)
+  positions = np.concatenate([np.arange(length) for length in lens] + [[0, -1]]).astype(np.int32)
+  perm = rng.permutation(len(seq_ids))
+  if n == 1:
+    got = dcp.read_local(jnp.asarray(cache), jnp.asarray(table), jnp.asarray(seq_ids[perm]),
+                         jnp.asarray(positions[perm]), n=1, rank=0)
+  else:
+    mesh = sharding.make_mesh(n)
+    cache = jax.device_put(cache, sharding.named_sharding(mesh, *dcp.CACHE_NAMES))
+    got = jax.jit(lambda *a: dcp.dcp_read(*a, mesh=mesh))(cache, jnp.asarray(table), jnp.asarray(seq_ids[perm]),
+                                                          jnp.asarray(positions[perm]))
+  want = np.zeros((len(seq_ids), D), np.float32)
+  real = seq_ids >= 0
+  want[:-2] = tokens[seq_ids[:-2], positions[:-2]]
+  want[seq_ids == 1] = 0
+  want[~real | (positions < 0)] = 0
+  np.testing.assert_array_equal(np.asarray(got), want[perm])
+
+
 def test_append_token_then_decode():
   n = 9
   rng = np.random.default_rng(4)

@@ -237,7 +237,8 @@ def test_block_under_every_supported_impl(impl):
 
 def test_storage_dtypes_follow_the_config(monkeypatch):
   """``state_dtype``, ``cache_dtype``, ``conv_dtype`` set the stored arrays (here opposite to the f32 default
-  of ``tiny`` / the activations) and ``partial_dtype`` reaches ``mla_decode``, in prefill and in decode."""
+  of ``tiny`` / the activations) and ``partial_dtype`` reaches ``mla_decode`` (decode: a prefill reads its
+  cached prefix non-absorbed, without it)."""
   seen = []
   real = ops.mesh_mla_decode
 
@@ -258,7 +259,7 @@ def test_storage_dtypes_follow_the_config(monkeypatch):
     return m.decode(jnp.asarray([3], jnp.int32), cache)
 
   logits, cache = fast_jit(run)(state, init_cache(cfg, 1, 64))
-  assert seen == [jnp.bfloat16, jnp.bfloat16]
+  assert seen == [jnp.bfloat16]
   assert cache.kda[0].recurrent.dtype == jnp.bfloat16 and cache.mla[0].dtype == jnp.bfloat16
   assert cache.kda[0].conv_q.dtype == jnp.bfloat16 and logits.dtype == jnp.float32
   assert np.isfinite(np.asarray(logits)).all()
@@ -383,6 +384,9 @@ def test_bad_inputs_raise():
   _, cache = r.prefill(tokens_for(r.cfg, 0), [T, 0, 0], cache)
   with pytest.raises(ValueError, match="cache capacity"):  # 20 cached + 110 new > 128
     r.model.prefill(jnp.zeros(110, jnp.int32), jnp.asarray([0, 110, 110, 110], jnp.int32), cache)
+  with pytest.raises(ValueError, match=r"prefix_rows must be an int >= the cached tokens of the sequences with new "
+                                        r"tokens \(20\), got 19"):
+    r.model.prefill(jnp.zeros(4, jnp.int32), jnp.asarray([0, 4, 4, 4], jnp.int32), cache, prefix_rows=19)
   with pytest.raises(ValueError, match="tokens must have dtype"):
     r.model.prefill(jnp.zeros(4, jnp.float32), jnp.asarray([0, 4, 4, 4], jnp.int32), cache)
   with pytest.raises(ValueError, match="tokens must have shape"):

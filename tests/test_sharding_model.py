@@ -129,8 +129,8 @@ def test_layers_run_the_mesh_aware_ops(tiny, monkeypatch):
   # The DCP latent cache is only correct when every MLA write and read goes through k3jax.ops, and the KDA
   # pools when the KDA and conv ops run per device: a spy counts the calls the sharded step traces.
   seen = collections.Counter()
-  for name in ("mesh_write_rows", "mesh_mla_decode", "mesh_kda_prefill", "mesh_kda_decode", "mesh_short_conv_prefill",
-               "mesh_short_conv_update"):
+  for name in ("mesh_write_rows", "mesh_read_rows", "mesh_mla_decode", "mesh_mla_prefill_attention",
+               "mesh_kda_prefill", "mesh_kda_decode", "mesh_short_conv_prefill", "mesh_short_conv_update"):
     real = getattr(ops, name)
     monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name, **kw: seen.update([_name]) or _real(*a, **kw))
   mesh = sharding.make_mesh(N)
@@ -138,8 +138,14 @@ def test_layers_run_the_mesh_aware_ops(tiny, monkeypatch):
   step = steps.jit_model_step(placed, mesh, vocab_size=tiny.cfg.vocab_size, compiler_options=FAST)
   _, cache = step.prefill(jnp.zeros(4, jnp.int32), jnp.asarray([0, 1, 4], jnp.int32),
                           steps.init_mesh_cache(placed.cfg, 2, 64, mesh))
-  # One MLA layer (write, then its cached-prefix read) and one KDA layer (q, k and v convolutions).
-  assert seen == {"mesh_write_rows": 1, "mesh_mla_decode": 1, "mesh_kda_prefill": 1, "mesh_short_conv_prefill": 3}
+  # One MLA layer (a fresh prefill: write, attention among the new tokens) and one KDA layer (q, k and v
+  # convolutions).
+  kda_prefill = {"mesh_kda_prefill": 1, "mesh_short_conv_prefill": 3}
+  assert seen == {"mesh_write_rows": 1, "mesh_mla_prefill_attention": 1, **kda_prefill}
+  seen.clear()
+  # A chunk after cached tokens also reads them back.
+  _, cache = step.prefill(jnp.zeros(3, jnp.int32), jnp.asarray([0, 2, 3], jnp.int32), cache)
+  assert seen == {"mesh_write_rows": 1, "mesh_read_rows": 1, "mesh_mla_prefill_attention": 1, **kda_prefill}
   seen.clear()
   step.decode(jnp.zeros(2, jnp.int32), cache)
   assert seen == {"mesh_write_rows": 1, "mesh_mla_decode": 1, "mesh_kda_decode": 1, "mesh_short_conv_update": 3}

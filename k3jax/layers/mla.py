@@ -4,16 +4,18 @@
 ``[c | k_pe] = kv_a_proj_with_mqa x``, ``c = kv_a_layernorm(c)``; ``kv_b_proj`` holds ``W_UK [R, H, dn]``
 and ``W_UV [R, H, dv]``. Nothing is rotated (NoPE); the ``dr`` slice is shared by all heads.
 
-* Prefill (non-absorbed): ``k = [c W_UK | k_pe]``, ``v = c W_UV``, causal attention among the new tokens of
-  each packed sequence (``mla_prefill_attention``, never a ``[T, T]`` array: its Mosaic GPU kernel with 16-bit
-  activations, its blockwise XLA path otherwise; per device on its heads on a mesh); a sequence that already
-  has cached tokens (chunked prefill) also attends to them in the absorbed form below, and the two parts are
-  merged by their log-sum-exp (``merge_partials``). A batch without any cached prefix skips that part.
+* Prefill (non-absorbed): ``k = [c W_UK | k_pe]``, ``v = c W_UV``, causal attention of the new tokens of each
+  packed sequence (``mla_prefill_attention``, never a ``[T, T]`` array: its Mosaic GPU kernel with 16-bit
+  activations, its blockwise XLA path otherwise; per device on its heads on a mesh). A sequence that already
+  has cached tokens (a chunked prefill, a prefix-cache hit) reads them back from the cache and up-projects
+  them the same way: its new tokens are the last queries over all its keys. Up-projecting the prefix costs
+  ``R x H x (dn + dv)`` multiply-adds per cached token, far less than the absorbed form's larger attention
+  (``R + dr`` and ``R`` wide instead of ``dn + dr`` and ``dv``) for every new token.
 * Decode (absorbed): ``q_abs = [W_UK q_nope | q_pe]`` against the cached rows ``[c | k_pe]`` with
   ``mla_decode``, then ``o = o_lat W_UV``.
 
 Both read the latent rounded to the cache dtype, so a prefilled and a decoded token see the same keys.
-The cache is read with ``k3jax.ops.mesh_mla_decode`` and written with ``k3jax.ops.mesh_write_rows``: the
+The cache is read with ``k3jax.ops.mesh_mla_decode`` / ``mesh_read_rows`` and written with ``mesh_write_rows``: the
 plain paged ops without a mesh, the DCP layout (tokens split over devices, ``k3jax.dcp``) on one set by
 ``jax.set_mesh``.
 """
@@ -24,14 +26,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax import nn_util, ops
-from k3jax.config import K3Config
+from k3jax import dcp, nn_util, ops
+from k3jax.config import PAGE_SIZE, K3Config
 from k3jax.layers.norms import RMSNorm
-from pallas_kernels import merge_partials
-
-# Query rows per step of a prefill's cached-prefix attention (``MlaLayer._attend_prefix``): each row of the
-# XLA decode gathers its whole block table, so the step's buffers grow with this times the cache capacity.
-PREFIX_ROWS = 16
 
 
 class KvBProj(nnx.Module):
@@ -105,34 +102,35 @@ class MlaLayer(nnx.Module):
     o_lat, lse = ops.mesh_mla_decode(q_abs, kv_cache, block_table, seq_lens, config=cfg.mla_op_config())
     return jnp.einsum("mhr,rhv->mhv", o_lat, w_uv, preferred_element_type=jnp.float32), lse
 
-  def _attend_prefix(self, q: jax.Array, kv_cache: jax.Array, block_table: jax.Array,
-                     seq_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``_attend_cache`` of prefill rows, ``PREFIX_ROWS`` query rows at a time (``lax.map``).
-
-    The XLA decode gathers every page of a row's block table, ``[rows, max_pages * 64, R + dr]``: for a
-    whole prompt at once that is O(T * capacity). A block of rows bounds it to O(PREFIX_ROWS * capacity).
-    Padded rows have no context: ``(0, -inf)``, sliced off. The kernels read the pages in place (no gather),
-    so they take all rows in one call.
-    """
-    t, h, _ = q.shape
-    if t <= PREFIX_ROWS or self.cfg.mla_op_config().impl != "xla":
-      return self._attend_cache(q, kv_cache, block_table, seq_lens)
-    nb = -(-t // PREFIX_ROWS)
-    blocks = (jnp.pad(x, ((0, nb * PREFIX_ROWS - t),) + ((0, 0),) * (x.ndim - 1)).reshape(nb, PREFIX_ROWS,
-                                                                                         *x.shape[1:])
-              for x in (q, block_table, seq_lens))
-    o, lse = jax.lax.map(lambda a: self._attend_cache(a[0], kv_cache, a[1], a[2]), tuple(blocks))
-    return o.reshape(nb * PREFIX_ROWS, h, o.shape[-1])[:t], lse.reshape(nb * PREFIX_ROWS, h)[:t]
-
   @staticmethod
   def _write(kv_cache: jax.Array, rows: jax.Array, block_table: jax.Array, seq: jax.Array,
              pos: jax.Array) -> jax.Array:
     """Row ``i`` to token ``pos[i]`` of sequence ``seq[i]``: the paged layout, or its DCP form on a mesh."""
     return ops.mesh_write_rows(kv_cache, rows, block_table, seq, pos)
 
+  def _keys(self, kv_cache: jax.Array, block_table: jax.Array, cu_seqlens: jax.Array, prefix_lens: jax.Array,
+            num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """The cached latent rows of every sequence with new tokens (its prefix, then its new tokens, written just
+    before), packed sequence by sequence into ``num_rows`` rows: ``[num_rows, R + dr]`` and ``cu_seqlens_k
+    [N + 1]``. Rows past the last sequence's are zeros."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    cu_k = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                            jnp.cumsum(jnp.where(lens > 0, prefix_lens + lens, 0)).astype(jnp.int32)])
+    r = jnp.arange(num_rows, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu_k, r, side="right") - 1, 0, lens.shape[0] - 1).astype(jnp.int32)
+    used = r < cu_k[-1]
+    return ops.mesh_read_rows(kv_cache, block_table, jnp.where(used, seq, -1),
+                              jnp.where(used, r - cu_k[seq], -1)), cu_k
+
   def prefill(self, x: jax.Array, kv_cache: jax.Array, *, seq: jax.Array, pos: jax.Array,
-              block_table: jax.Array, prefix_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Non-absorbed causal attention over packed sequences (plus their cached prefix); writes their rows.
+              block_table: jax.Array, prefix_lens: jax.Array, prefix_rows: int | None = None
+              ) -> tuple[jax.Array, jax.Array]:
+    """Non-absorbed causal attention over packed sequences (and their cached prefix); writes their rows.
+
+    Without a cached prefix the keys are the new tokens' own. With one (a chunked prefill, a prefix-cache hit)
+    each sequence's keys are all its cached rows, read back from the cache after the new rows are written:
+    its ``prefix_lens[n]`` earlier tokens and its new ones, up-projected to ``k_nope``/``v`` like the new
+    tokens (the same latent, rounded to the cache dtype), and the new tokens are its last queries.
 
     Args:
       x: ``[T, D]`` normalised hidden states. kv_cache: ``[pages, 64, R + dr]``.
@@ -140,37 +138,38 @@ class MlaLayer(nnx.Module):
       pos: ``[T]`` int32 position of each token in its sequence (consecutive within a sequence).
       block_table: ``[N, max_pages]`` int32.
       prefix_lens: ``[N]`` int32 tokens each sequence had cached before this call (0: a fresh sequence).
+      prefix_rows: static bound on the cached prefix tokens read back, summed over the sequences with new
+        tokens; 0: no sequence has a prefix (no read). None: the whole capacity of every sequence
+        (``N * max_pages * 64``, times the devices of the ambient mesh). ``ModelStep.prefill`` passes the sum
+        from the host, rounded up to a power of two (a few compiled variants). Too small a bound makes the
+        output NaN, never silently short.
 
     Returns:
       ``[T, D]`` in ``cfg.dtype`` and the updated cache.
     """
     cfg = self.cfg
-    r, dv = cfg.kv_lora_rank, cfg.v_head_dim
+    r = cfg.kv_lora_rank
     q = self._query(x)
     rows = self._latent(x)
     kv_cache = self._write(kv_cache, rows, block_table, seq, pos)
-    lat = rows.astype(cfg.dtype)
-    w_uk, w_uv = self._weights()
-    k_nope = jnp.einsum("tr,rhd->thd", lat[:, :r], w_uk, preferred_element_type=jnp.float32).astype(cfg.dtype)
-    v = jnp.einsum("tr,rhd->thd", lat[:, :r], w_uv, preferred_element_type=jnp.float32).astype(cfg.dtype)
     # Tokens are packed sequence by sequence (``seq`` non-decreasing), so sequence n starts at the first token
     # with seq >= n; within it ``pos`` grows with the token index, so causal by index is causal by position.
     cu_seqlens = jnp.searchsorted(seq, jnp.arange(block_table.shape[0] + 1, dtype=seq.dtype),
                                   side="left").astype(jnp.int32)
-    o_new, lse_new = ops.mesh_mla_prefill_attention(q, k_nope, lat[:, r:], v, cu_seqlens=cu_seqlens,
-                                                    config=cfg.mla_prefill_op_config())
-    token_prefix = prefix_lens[seq]
-
-    def attend_prefix():
-      return self._attend_prefix(q, kv_cache, block_table[seq], token_prefix)
-
-    def no_prefix():
-      return (jnp.zeros((q.shape[0], q.shape[1], dv), jnp.float32), jnp.full(q.shape[:2], -jnp.inf, jnp.float32))
-
-    # A fresh prefill (no token has a cached prefix) skips the prefix attention: it would only merge empty
-    # parts. XLA still reserves the branch's buffers at compile time, so this saves its time, not its memory.
-    o_pre, lse_pre = jax.lax.cond(jnp.any(token_prefix > 0), attend_prefix, no_prefix)
-    o, _ = merge_partials(jnp.stack([o_new.astype(jnp.float32), o_pre]), jnp.stack([lse_new, lse_pre]))
+    if prefix_rows is None:
+      prefix_rows = dcp.capacity(block_table.shape[1], page_size=PAGE_SIZE) * block_table.shape[0]
+    if prefix_rows:
+      lat, cu_k = self._keys(kv_cache, block_table, cu_seqlens, prefix_lens, x.shape[0] + prefix_rows)
+    else:
+      lat, cu_k = rows, None
+    lat = lat.astype(cfg.dtype)
+    w_uk, w_uv = self._weights()
+    k_nope = jnp.einsum("tr,rhd->thd", lat[:, :r], w_uk, preferred_element_type=jnp.float32).astype(cfg.dtype)
+    v = jnp.einsum("tr,rhd->thd", lat[:, :r], w_uv, preferred_element_type=jnp.float32).astype(cfg.dtype)
+    o, _ = ops.mesh_mla_prefill_attention(q, k_nope, lat[:, r:], v, cu_seqlens=cu_seqlens, cu_seqlens_k=cu_k,
+                                          config=cfg.mla_prefill_op_config())
+    if cu_k is not None:  # keys past the bound were not read: say so rather than attend to part of them
+      o = jnp.where(cu_k[-1] > lat.shape[0], jnp.nan, o)
     return self._output(x, o), kv_cache
 
   def decode(self, x: jax.Array, kv_cache: jax.Array, *, block_table: jax.Array, seq_lens: jax.Array,

@@ -3,8 +3,8 @@
 The blockwise path never forms a ``[T, T]`` array: an outer ``lax.map`` over query blocks runs an inner
 ``lax.fori_loop`` over key blocks with a running max and sum in f32 (online softmax), so its working set is
 O(T * H * D) for the inputs and outputs plus one ``[H, block_q, block_k]`` f32 score block. Compute stays
-O(T^2) within a sequence, but key blocks after a query block's last token or before the first token of its
-first row's sequence are not visited.
+O(T^2) within a sequence, but key blocks outside ``[row_lo[first row], row_hi[last row])`` of a query block
+(``reference.row_bounds``: both bounds are non-decreasing) are not visited.
 """
 
 import functools
@@ -30,14 +30,15 @@ def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k"))
-def _blockwise(q, k_nope, k_rope, v, cu_seqlens, *, scale, block_q, block_k):
+def _blockwise(q, k_nope, k_rope, v, cu_seqlens, cu_seqlens_k, *, scale, block_q, block_k):
   t, h, _ = q.shape
-  dv = v.shape[-1]
-  bq, bk = min(block_q, t), min(block_k, t)
-  nq, nk = util.cdiv(t, bq), util.cdiv(t, bk)
-  # Padded keys have indices >= T, after every real query, so the causal test drops them. Padded query rows
-  # see no key and are sliced off; they only need to stay finite.
-  start = _pad_rows(reference.segment_starts(cu_seqlens, t), nq * bq)
+  tk, dv = k_nope.shape[0], v.shape[-1]
+  bq, bk = min(block_q, t), min(block_k, tk)
+  nq, nk = util.cdiv(t, bq), util.cdiv(tk, bk)
+  lo, hi = reference.row_bounds(cu_seqlens, cu_seqlens_k, t)
+  # Padded keys have indices >= Tk, past every row's range. Padded query rows repeat the last row's bounds
+  # (the blocks visited stay those of the real rows) and are sliced off; they only need to stay finite.
+  lo, hi = (jnp.pad(x, (0, nq * bq - t), mode="edge") for x in (lo, hi))
   q_blocks = _pad_rows(q, nq * bq).reshape(nq, bq, *q.shape[1:])
   k_nope, k_rope, v = (_pad_rows(x, nk * bk) for x in (k_nope, k_rope, v))
 
@@ -45,16 +46,16 @@ def _blockwise(q, k_nope, k_rope, v, cu_seqlens, *, scale, block_q, block_k):
     i, q_blk = args
     q0 = i * bq
     rows = q0 + jnp.arange(bq, dtype=jnp.int32)
-    row_start = jax.lax.dynamic_slice_in_dim(start, q0, bq)
-    # Starts are non-decreasing, so the first row's sequence start bounds every row's first visible key.
-    first_block = row_start[0] // bk
-    last_block = (jnp.minimum(q0 + bq, t) - 1) // bk
+    row_lo, row_hi = (jax.lax.dynamic_slice_in_dim(x, q0, bq) for x in (lo, hi))
+    # Both bounds are non-decreasing: the first row's lower and the last row's upper bound every row's range.
+    first_block = row_lo[0] // bk
+    last_block = (row_hi[-1] - 1) // bk
 
     def key_block(j, carry):
       m, l, acc, hit = carry
       k0 = j * bk
       cols = k0 + jnp.arange(bk, dtype=jnp.int32)
-      mask = (cols[None, :] >= row_start[:, None]) & (cols[None, :] <= rows[:, None])
+      mask = (cols[None, :] >= row_lo[:, None]) & (cols[None, :] < row_hi[:, None])
       blk = lambda x: jax.lax.dynamic_slice_in_dim(x, k0, bk)
       s = jnp.where(mask[None], reference.logits(q_blk, blk(k_nope), blk(k_rope), scale), -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -83,12 +84,14 @@ def _blockwise(q, k_nope, k_rope, v, cu_seqlens, *, scale, block_q, block_k):
 
 
 def mla_prefill_attention(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v: jax.Array, *,
-                          cu_seqlens: jax.Array,
+                          cu_seqlens: jax.Array, cu_seqlens_k: jax.Array | None = None,
                           config: MlaPrefillConfig | None = None) -> tuple[jax.Array, jax.Array]:
   """Causal self-attention within each packed sequence, the MLA prefill form (non-absorbed, shared rope key).
 
   Token ``i`` of sequence ``n`` attends to tokens ``cu_seqlens[n] .. i`` with logits
-  ``scale * (q[i, h, :Dn] . k_nope[j, h] + q[i, h, Dn:] . k_rope[j])``; softmax statistics and the
+  ``scale * (q[i, h, :Dn] . k_nope[j, h] + q[i, h, Dn:] . k_rope[j])``. With ``cu_seqlens_k`` the keys are
+  packed apart and each sequence's queries are its last tokens (a prompt chunk after its cached prefix: its
+  query ``t`` sees keys ``0 .. Lk_n - L_n + t``; ``reference``'s docstring). Softmax statistics and the
   accumulation are f32 and the output is rounded once. ``impl="xla"`` is the blockwise path (memory
   O(T * H * D + H * block_q * block_k), never ``[T, T]``); ``impl="pallas"`` and ``"interpret"`` raise
   ``NotImplementedError`` until the Mosaic GPU kernel exists. The XLA path runs a data-dependent loop, so
@@ -96,10 +99,13 @@ def mla_prefill_attention(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v:
 
   Args:
     q: ``[T, H, Dn + Dr]`` queries (K3: Dn = 128, Dr = 64), f32/bf16/f16. T = 0 is allowed.
-    k_nope: ``[T, H, Dn]`` per-head keys, q's dtype.
-    k_rope: ``[T, Dr]`` rope key shared by all heads (never broadcast to ``[T, H, Dr]``), q's dtype.
-    v: ``[T, H, Dv]`` values, q's dtype; Dv may differ from Dn + Dr.
+    k_nope: ``[T, H, Dn]`` (``[Tk, H, Dn]`` with ``cu_seqlens_k``) per-head keys, q's dtype.
+    k_rope: ``[T, Dr]`` / ``[Tk, Dr]`` rope key shared by all heads (never broadcast over heads), q's dtype.
+    v: ``[T, H, Dv]`` / ``[Tk, H, Dv]`` values, q's dtype; Dv may differ from Dn + Dr.
     cu_seqlens: ``[N + 1]`` int32, non-decreasing from 0 to T (empty sequences allowed).
+    cu_seqlens_k: ``[N + 1]`` int32 or None: key rows of each sequence in ``k_nope``, ``k_rope`` and ``v``
+      (``[Tk, ...]`` then), non-decreasing from 0 to at most Tk, ``Lk_n >= L_n``; rows past the last
+      sequence's are never seen.
     config: ``MlaPrefillConfig`` (scale, impl, tuning: the block sizes).
 
   Returns:
@@ -112,7 +118,7 @@ def mla_prefill_attention(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v:
     NotImplementedError: ``impl`` "pallas" or "interpret" (the Mosaic GPU prefill kernel is not written yet).
   """
   config = config or MlaPrefillConfig()
-  reference.validate_prefill_inputs(q, k_nope, k_rope, v, cu_seqlens)
+  reference.validate_prefill_inputs(q, k_nope, k_rope, v, cu_seqlens, cu_seqlens_k)
   if config.impl != "xla":
     raise NotImplementedError(f"the Mosaic GPU prefill kernel is not implemented yet (impl={config.impl!r}); "
                               "use impl='xla'")
@@ -121,5 +127,5 @@ def mla_prefill_attention(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v:
     return jnp.zeros((0, h, v.shape[-1]), q.dtype), jnp.zeros((0, h), jnp.float32)
   scale = reference.default_scale(q) if config.scale is None else config.scale
   tuning, default = config.tuning or MlaPrefillTuning(), default_tuning()
-  return _blockwise(q, k_nope, k_rope, v, cu_seqlens, scale=scale, block_q=tuning.block_q or default.block_q,
+  return _blockwise(q, k_nope, k_rope, v, cu_seqlens, cu_seqlens_k, scale=scale, block_q=tuning.block_q or default.block_q,
                     block_k=tuning.block_k or default.block_k)
