@@ -224,6 +224,72 @@ def test_randomized_blockwise_vs_oracle(lens, num_heads, block_q, block_k, bf16,
   _check_against_oracle(o, lse, args, cu, (DN + DR) ** -0.5)
 
 
+def keys_apart(lens, extra, num_heads, dtype=jnp.float32, seed=0, spare=3):
+  """Queries of ``lens`` tokens whose sequences have ``extra`` earlier (cached) tokens each: q ``[T]``, keys
+  ``[Tk + spare]`` (the spare rows after the last sequence are NaN: no query may see them) and both pointers."""
+  rng = np.random.default_rng(seed)
+  klens = np.asarray(lens) + np.asarray(extra)
+  tk = int(klens.sum()) + spare
+  x = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+  kn, kr, v = x(tk, num_heads, DN), x(tk, DR), x(tk, num_heads, DV)
+  if spare:
+    kn, kr, v = kn.at[-spare:].set(jnp.nan), kr.at[-spare:].set(jnp.nan), v.at[-spare:].set(jnp.nan)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+  cuk = jnp.asarray(np.concatenate([[0], np.cumsum(klens)]), jnp.int32)
+  return (x(int(sum(lens)), num_heads, DN + DR), kn, kr, v), cu, cuk
+
+
+def _check_keys_apart(config, args, cu, cuk):
+  o, lse = mla_prefill_attention(*args, cu_seqlens=cu, cu_seqlens_k=cuk, config=config)
+  o_ref, lse_ref = mla_prefill_oracle(*args, cu, (DN + DR) ** -0.5, cu_seqlens_k=cuk)
+  o64 = np.asarray(o, np.float64)
+  if args[0].dtype == jnp.bfloat16:
+    np.testing.assert_array_less(np.abs(o64 - o_ref), BF16_RTOL * np.abs(o_ref) + F32_ATOL)
+  else:
+    np.testing.assert_allclose(o64, o_ref, atol=F32_ATOL)
+  np.testing.assert_allclose(np.asarray(lse), lse_ref, atol=F32_ATOL)
+
+
+@pytest.mark.parametrize("lens,extra", [([5, 0, 9, 1], [7, 3, 0, 69]), ([1], [0]), ([BLOCK + 1], [3 * BLOCK - 1])])
+def test_keys_apart_match_the_oracle(lens, extra):
+  """``cu_seqlens_k``: each sequence's queries are its last tokens over keys packed apart (a chunk after a
+  cached prefix, an empty query sequence with keys, key rows past the last sequence never seen)."""
+  args, cu, cuk = keys_apart(lens, extra, 3)
+  for config in (_xla(), _xla(block_q=3, block_k=5), MlaPrefillConfig(impl="xla")):
+    _check_keys_apart(config, args, cu, cuk)
+  o, lse = reference.mla_prefill_reference(*args, cu_seqlens=cu, cu_seqlens_k=cuk)
+  o_ref, lse_ref = mla_prefill_oracle(*args, cu, (DN + DR) ** -0.5, cu_seqlens_k=cuk)
+  np.testing.assert_allclose(np.asarray(o), o_ref, atol=F32_ATOL)
+  # Without a prefix the form is the self-attention one.
+  (q, kn, kr, v), cu, cuk = keys_apart([4, 9], [0, 0], 2, spare=0)
+  same = mla_prefill_attention(q, kn, kr, v, cu_seqlens=cu, cu_seqlens_k=cuk, config=_xla())
+  plain = mla_prefill_attention(q, kn, kr, v, cu_seqlens=cu, config=_xla())
+  for a, b in zip(same, plain):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_keys_apart_bad_inputs_raise():
+  args, cu, cuk = keys_apart([3, 4], [2, 0], 2)
+  for bad, msg in [(cuk[:2], r"cu_seqlens_k must have shape \(3,\)"),
+                   (cuk.astype(jnp.float32), "cu_seqlens_k must have dtype"),
+                   (jnp.asarray([0, 5, 20], jnp.int32), "non-decreasing from 0 to at most Tk = 12"),
+                   (jnp.asarray([0, 2, 9], jnp.int32), "at least as many keys as queries")]:
+    with pytest.raises(ValueError, match=msg):
+      mla_prefill_attention(*args, cu_seqlens=cu, cu_seqlens_k=bad, config=_xla())
+  with pytest.raises(ValueError, match=r"v must have shape \(12, 2, \*\), got \(5, 2, 6\)"):  # Tk: k_nope's rows
+    mla_prefill_attention(*args[:3], args[3][:5], cu_seqlens=cu, cu_seqlens_k=cuk, config=_xla())
+
+
+@budget(cpu=8, gpu=40)
+@given(lens=st.lists(st.integers(0, 30), min_size=1, max_size=3), extra=st.lists(st.integers(0, 40), min_size=3,
+                                                                                  max_size=3),
+       num_heads=st.integers(1, 3), block_q=st.integers(1, 24), block_k=st.integers(1, 24), bf16=st.booleans(),
+       seed=st.integers(0, 2 ** 16))
+def test_randomized_keys_apart_vs_oracle(lens, extra, num_heads, block_q, block_k, bf16, seed):
+  args, cu, cuk = keys_apart(lens, extra[:len(lens)], num_heads, jnp.bfloat16 if bf16 else jnp.float32, seed)
+  _check_keys_apart(_xla(block_q=block_q, block_k=block_k), args, cu, cuk)
+
+
 # ------------------------------------------------------------------------------------ in the MLA layer
 @pytest.mark.parametrize("prefix_rows", [None, 29, 64, 1000])
 def test_layer_chunked_prefill_matches_oracle(prefix_rows):
