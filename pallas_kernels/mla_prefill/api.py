@@ -1,4 +1,5 @@
-"""Public MLA prefill entry point: causal attention within packed sequences, flash-style blockwise in XLA.
+"""Public MLA prefill entry point: causal attention within packed sequences, flash-style blockwise in XLA
+(``impl="xla"``) or the Mosaic GPU kernel of ``kernel.py`` (``impl="pallas"``, and ``"interpret"`` on the CPU).
 
 The blockwise path never forms a ``[T, T]`` array: an outer ``lax.map`` over query blocks runs an inner
 ``lax.fori_loop`` over key blocks with a running max and sum in f32 (online softmax), so its working set is
@@ -13,16 +14,19 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import util
-from pallas_kernels.mla_prefill import reference
+from pallas_kernels.mla_prefill import kernel, reference
 from pallas_kernels.mla_prefill.config import MlaPrefillConfig, MlaPrefillTuning
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def default_tuning() -> MlaPrefillTuning:
-  """Blocks of 256 query by 512 key rows (a shorter batch is one block): the f32 score block ``[H, 256, 512]``
-  stays small next to the ``[T, H, D]`` inputs of a long prompt while each step multiplies whole tiles."""
-  return MlaPrefillTuning(block_q=256, block_k=512)
+  """The "xla" path takes blocks of 256 query by 512 key rows (a shorter batch is one block): the f32 score
+  block ``[H, 256, 512]`` stays small next to the ``[T, H, D]`` inputs of a long prompt while each step
+  multiplies whole tiles. The kernel takes 128-row key blocks in a two-slot ring, the key tile and depth that
+  FlashAttention-3 and JAX's Mosaic GPU attention use at these head sizes (no third slot fits in SMEM); not
+  yet tuned by measurement."""
+  return MlaPrefillTuning(block_q=256, block_k=512, kernel_block_k=128, num_stages=2)
 
 
 def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
@@ -82,6 +86,19 @@ def _blockwise(q, k_nope, k_rope, v, cu_seqlens, *, scale, block_q, block_k):
   return o.reshape(nq * bq, h, dv)[:t], lse.reshape(nq * bq, h)[:t]
 
 
+def self_attention_bounds(cu_seqlens: jax.Array, t: int) -> tuple[jax.Array, jax.Array]:
+  """``row_lo, row_hi [T]`` int32 of packed causal self-attention: token ``i`` sees ``[start of its sequence, i]``."""
+  return reference.segment_starts(cu_seqlens, t), jnp.arange(1, t + 1, dtype=jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_stages", "interpret"))
+def _kernel_path(q, k_nope, k_rope, v, cu_seqlens, *, scale, block_k, num_stages, interpret):
+  # Traced here, the bounds skip the kernel entry's host-side value check: they are right by construction.
+  row_lo, row_hi = self_attention_bounds(cu_seqlens, q.shape[0])
+  return kernel.mla_prefill_mosaic(q, k_nope, k_rope, v, row_lo, row_hi, scale=scale, block_k=block_k,
+                                   num_stages=num_stages, interpret=interpret)
+
+
 def mla_prefill_attention(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v: jax.Array, *,
                           cu_seqlens: jax.Array,
                           config: MlaPrefillConfig | None = None) -> tuple[jax.Array, jax.Array]:
@@ -90,9 +107,10 @@ def mla_prefill_attention(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v:
   Token ``i`` of sequence ``n`` attends to tokens ``cu_seqlens[n] .. i`` with logits
   ``scale * (q[i, h, :Dn] . k_nope[j, h] + q[i, h, Dn:] . k_rope[j])``; softmax statistics and the
   accumulation are f32 and the output is rounded once. ``impl="xla"`` is the blockwise path (memory
-  O(T * H * D + H * block_q * block_k), never ``[T, T]``); ``impl="pallas"`` and ``"interpret"`` raise
-  ``NotImplementedError`` until the Mosaic GPU kernel exists. The XLA path runs a data-dependent loop, so
-  it is forward-only (no reverse-mode gradient).
+  O(T * H * D + H * block_q * block_k), never ``[T, T]``); ``impl="pallas"`` is the Mosaic GPU kernel
+  (Hopper; bf16/f16 inputs, head dims positive multiples of 64; P is rounded to q's dtype before ``P @ V``, as in
+  FlashAttention), ``"interpret"`` the same kernel interpreted on the CPU. Both paths run data-dependent
+  loops, so they are forward-only (no reverse-mode gradient).
 
   Args:
     q: ``[T, H, Dn + Dr]`` queries (K3: Dn = 128, Dr = 64), f32/bf16/f16. T = 0 is allowed.
@@ -100,7 +118,7 @@ def mla_prefill_attention(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v:
     k_rope: ``[T, Dr]`` rope key shared by all heads (never broadcast to ``[T, H, Dr]``), q's dtype.
     v: ``[T, H, Dv]`` values, q's dtype; Dv may differ from Dn + Dr.
     cu_seqlens: ``[N + 1]`` int32, non-decreasing from 0 to T (empty sequences allowed).
-    config: ``MlaPrefillConfig`` (scale, impl, tuning: the block sizes).
+    config: ``MlaPrefillConfig`` (scale, impl, tuning: the block sizes of either path).
 
   Returns:
     ``o [T, H, Dv]`` in q's dtype and ``lse [T, H]`` f32 natural log of the softmax denominator. A NaN or inf
@@ -108,18 +126,23 @@ def mla_prefill_attention(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v:
     makes that head's ``o`` NaN. Later tokens and other sequences never reach a token.
 
   Raises:
-    ValueError: malformed shapes or dtypes, or (when concrete) ``cu_seqlens`` values.
-    NotImplementedError: ``impl`` "pallas" or "interpret" (the Mosaic GPU prefill kernel is not written yet).
+    ValueError: malformed shapes or dtypes, (when concrete) ``cu_seqlens`` values, or a kernel tuning whose
+      buffers exceed the SMEM of an SM.
+    NotImplementedError: the kernel ("pallas", "interpret") with f32 inputs or a head dim (Dn, Dr, Dv) that is
+      not a positive multiple of 64.
   """
   config = config or MlaPrefillConfig()
   reference.validate_prefill_inputs(q, k_nope, k_rope, v, cu_seqlens)
   if config.impl != "xla":
-    raise NotImplementedError(f"the Mosaic GPU prefill kernel is not implemented yet (impl={config.impl!r}); "
-                              "use impl='xla'")
+    kernel.check_supported(q, k_nope, k_rope, v)
   t, h, _ = q.shape
   if t == 0:
     return jnp.zeros((0, h, v.shape[-1]), q.dtype), jnp.zeros((0, h), jnp.float32)
   scale = reference.default_scale(q) if config.scale is None else config.scale
   tuning, default = config.tuning or MlaPrefillTuning(), default_tuning()
-  return _blockwise(q, k_nope, k_rope, v, cu_seqlens, scale=scale, block_q=tuning.block_q or default.block_q,
-                    block_k=tuning.block_k or default.block_k)
+  if config.impl == "xla":
+    return _blockwise(q, k_nope, k_rope, v, cu_seqlens, scale=scale, block_q=tuning.block_q or default.block_q,
+                      block_k=tuning.block_k or default.block_k)
+  return _kernel_path(q, k_nope, k_rope, v, cu_seqlens, scale=scale,
+                      block_k=tuning.kernel_block_k or default.kernel_block_k,
+                      num_stages=tuning.num_stages or default.num_stages, interpret=config.impl == "interpret")
