@@ -1,4 +1,5 @@
-"""Public MLA prefill entry point: causal attention within packed sequences, flash-style blockwise in XLA.
+"""Public MLA prefill entry point: causal attention within packed sequences, flash-style blockwise in XLA
+(``impl="xla"``) or the Mosaic GPU kernel of ``kernel.py`` (``impl="pallas"``, and ``"interpret"`` on the CPU).
 
 The blockwise path never forms a ``[T, T]`` array: an outer ``lax.map`` over query blocks runs an inner
 ``lax.fori_loop`` over key blocks with a running max and sum in f32 (online softmax), so its working set is
@@ -13,16 +14,19 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import util
-from pallas_kernels.mla_prefill import reference
+from pallas_kernels.mla_prefill import kernel, reference
 from pallas_kernels.mla_prefill.config import MlaPrefillConfig, MlaPrefillTuning
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def default_tuning() -> MlaPrefillTuning:
-  """Blocks of 256 query by 512 key rows (a shorter batch is one block): the f32 score block ``[H, 256, 512]``
-  stays small next to the ``[T, H, D]`` inputs of a long prompt while each step multiplies whole tiles."""
-  return MlaPrefillTuning(block_q=256, block_k=512)
+  """The "xla" path takes blocks of 256 query by 512 key rows (a shorter batch is one block): the f32 score
+  block ``[H, 256, 512]`` stays small next to the ``[T, H, D]`` inputs of a long prompt while each step
+  multiplies whole tiles. The kernel takes 128-row key blocks in a two-slot ring, the key tile and depth that
+  FlashAttention-3 and JAX's Mosaic GPU attention use at these head sizes (no third slot fits in SMEM); not
+  yet tuned by measurement."""
+  return MlaPrefillTuning(block_q=256, block_k=512, kernel_block_k=128, num_stages=2)
 
 
 def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
@@ -83,6 +87,14 @@ def _blockwise(q, k_nope, k_rope, v, cu_seqlens, cu_seqlens_k, *, scale, block_q
   return o.reshape(nq * bq, h, dv)[:t], lse.reshape(nq * bq, h)[:t]
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_stages", "interpret"))
+def _kernel_path(q, k_nope, k_rope, v, cu_seqlens, cu_seqlens_k, *, scale, block_k, num_stages, interpret):
+  # Traced here, the bounds skip the kernel entry's host-side value check: they are right by construction.
+  row_lo, row_hi = reference.row_bounds(cu_seqlens, cu_seqlens_k, q.shape[0])
+  return kernel.mla_prefill_mosaic(q, k_nope, k_rope, v, row_lo, row_hi, scale=scale, block_k=block_k,
+                                   num_stages=num_stages, interpret=interpret)
+
+
 def mla_prefill_attention(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v: jax.Array, *,
                           cu_seqlens: jax.Array, cu_seqlens_k: jax.Array | None = None,
                           config: MlaPrefillConfig | None = None) -> tuple[jax.Array, jax.Array]:
@@ -93,9 +105,10 @@ def mla_prefill_attention(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v:
   packed apart and each sequence's queries are its last tokens (a prompt chunk after its cached prefix: its
   query ``t`` sees keys ``0 .. Lk_n - L_n + t``; ``reference``'s docstring). Softmax statistics and the
   accumulation are f32 and the output is rounded once. ``impl="xla"`` is the blockwise path (memory
-  O(T * H * D + H * block_q * block_k), never ``[T, T]``); ``impl="pallas"`` and ``"interpret"`` raise
-  ``NotImplementedError`` until the Mosaic GPU kernel exists. The XLA path runs a data-dependent loop, so
-  it is forward-only (no reverse-mode gradient).
+  O(T * H * D + H * block_q * block_k), never ``[T, T]``); ``impl="pallas"`` is the Mosaic GPU kernel
+  (Hopper; bf16/f16 inputs, head dims positive multiples of 64; P is rounded to q's dtype before ``P @ V``, as in
+  FlashAttention), ``"interpret"`` the same kernel interpreted on the CPU. Both paths run data-dependent
+  loops, so they are forward-only (no reverse-mode gradient).
 
   Args:
     q: ``[T, H, Dn + Dr]`` queries (K3: Dn = 128, Dr = 64), f32/bf16/f16. T = 0 is allowed.
@@ -106,7 +119,7 @@ def mla_prefill_attention(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v:
     cu_seqlens_k: ``[N + 1]`` int32 or None: key rows of each sequence in ``k_nope``, ``k_rope`` and ``v``
       (``[Tk, ...]`` then), non-decreasing from 0 to at most Tk, ``Lk_n >= L_n``; rows past the last
       sequence's are never seen.
-    config: ``MlaPrefillConfig`` (scale, impl, tuning: the block sizes).
+    config: ``MlaPrefillConfig`` (scale, impl, tuning: the block sizes of either path).
 
   Returns:
     ``o [T, H, Dv]`` in q's dtype and ``lse [T, H]`` f32 natural log of the softmax denominator. A NaN or inf
@@ -114,18 +127,23 @@ def mla_prefill_attention(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v:
     makes that head's ``o`` NaN. Later tokens and other sequences never reach a token.
 
   Raises:
-    ValueError: malformed shapes or dtypes, or (when concrete) ``cu_seqlens`` values.
-    NotImplementedError: ``impl`` "pallas" or "interpret" (the Mosaic GPU prefill kernel is not written yet).
+    ValueError: malformed shapes or dtypes, (when concrete) ``cu_seqlens`` values, or a kernel tuning whose
+      buffers exceed the SMEM of an SM.
+    NotImplementedError: the kernel ("pallas", "interpret") with f32 inputs or a head dim (Dn, Dr, Dv) that is
+      not a positive multiple of 64.
   """
   config = config or MlaPrefillConfig()
   reference.validate_prefill_inputs(q, k_nope, k_rope, v, cu_seqlens, cu_seqlens_k)
   if config.impl != "xla":
-    raise NotImplementedError(f"the Mosaic GPU prefill kernel is not implemented yet (impl={config.impl!r}); "
-                              "use impl='xla'")
+    kernel.check_supported(q, k_nope, k_rope, v)
   t, h, _ = q.shape
   if t == 0:
     return jnp.zeros((0, h, v.shape[-1]), q.dtype), jnp.zeros((0, h), jnp.float32)
   scale = reference.default_scale(q) if config.scale is None else config.scale
   tuning, default = config.tuning or MlaPrefillTuning(), default_tuning()
-  return _blockwise(q, k_nope, k_rope, v, cu_seqlens, cu_seqlens_k, scale=scale, block_q=tuning.block_q or default.block_q,
-                    block_k=tuning.block_k or default.block_k)
+  if config.impl == "xla":
+    return _blockwise(q, k_nope, k_rope, v, cu_seqlens, cu_seqlens_k, scale=scale,
+                      block_q=tuning.block_q or default.block_q, block_k=tuning.block_k or default.block_k)
+  return _kernel_path(q, k_nope, k_rope, v, cu_seqlens, cu_seqlens_k, scale=scale,
+                      block_k=tuning.kernel_block_k or default.kernel_block_k,
+                      num_stages=tuning.num_stages or default.num_stages, interpret=config.impl == "interpret")
