@@ -5,8 +5,8 @@ tokens of N equal sequences (L = T / N each), H heads; by default T in {4K, 32K,
 {96, 11} (96: K3 on one device, 11: on 9). Inputs are bf16 ~ N(0, 1) (q, k_nope, the shared k_rope [T, 64],
 v), scale ``192 ** -0.5``. Every implementation runs in the same process on the same inputs:
 
-* ``ours``: ``mla_prefill_attention`` with the op's default impl (printed; "xla", the blockwise flash-style
-  path, until the Mosaic GPU kernel exists), packed varlen (``cu_seqlens``), k_rope never broadcast.
+* ``ours``: ``mla_prefill_attention`` with the op's default impl (printed; the Mosaic GPU kernel on Hopper,
+  ``--impl xla`` for the blockwise path), packed varlen (``cu_seqlens``), k_rope never broadcast.
 * ``jax-cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn", is_causal=True)``. Its API needs
   ``value.shape == key.shape``, so v is zero-padded from 128 to 192 (the extra 64 output columns are dropped).
   Packed varlen is not expressible there (``query_seq_lengths`` / ``key_value_seq_lengths`` describe padding

@@ -191,23 +191,15 @@ def test_varlen_batch_equals_each_sequence_alone(name):
     assert all(np.isnan(a).all() for a in _cache_rows(cache, other, 0))
 
 
-def result_or_skip(call, impl: str):
-  """``call()``, or a skip when an op raises NotImplementedError under ``impl`` (its kernel has not landed),
-  so the test covers each kernel as soon as it exists."""
-  try:
-    return jax.block_until_ready(call())
-  except NotImplementedError as e:
-    pytest.skip(f"impl={impl!r} not supported yet: {e}")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 def test_block_under_every_supported_impl(impl):
   """A K3 decoder layer per mixer kind (prefill + one decode) under ``impl`` equals the ``xla`` result."""
   # bf16 activations and cache (the Mosaic GPU kernels take bf16 q/kv); K = 64 (the KDA kernel needs 64 or
-  # 128). Dense FFNs: the MoE runs no kernel, and a bf16-rounding difference could flip a top-k choice.
+  # 128) and MLA head dims 64 (the prefill kernel's multiple). Dense FFNs: the MoE runs no kernel, and a
+  # bf16-rounding difference could flip a top-k choice.
   base = cfg_lib.preset("tiny", impl="xla", num_hidden_layers=2, layer_types=("kda", "mla"), kda_head_dim=64,
-                        first_k_dense_replace=2)
+                        qk_nope_head_dim=64, v_head_dim=64, first_k_dense_replace=2)
   results = {}
   for name in ("xla", impl):
     cfg = base.replace(impl=name)
@@ -222,10 +214,7 @@ def test_block_under_every_supported_impl(impl):
       step, cache = m.decode(jnp.asarray([1, 2], jnp.int32), cache)
       return logits, step, cache
 
-    def call(run=run, state=state, toks=toks, cu=cu, cfg=cfg):
-      return fast_jit(run)(state, jnp.asarray(toks), cu, init_cache(cfg, 2, 64))
-
-    results[name] = result_or_skip(call, name)
+    results[name] = fast_jit(run)(state, jnp.asarray(toks), cu, init_cache(cfg, 2, 64))
   got, want = results[impl], results["xla"]
   # bf16 activations: kernels and references round differently; logits are O(1).
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

@@ -342,10 +342,11 @@ def flows(cfg):
 def test_serving_under_the_kernels(impl):
   """Prefix hit and verify + accept with the Mosaic GPU kernels (interpret mode on the CPU) equal the xla run.
 
-  bf16 activations and cache (the kernels take bf16), K = 64, dense FFNs (a rounding difference could flip a
-  top-k choice); the states are f32: the kernels and the references round the bf16 inputs differently."""
+  bf16 activations and cache (the kernels take bf16), K and the MLA head dims 64 (the kernels' multiples), dense
+  FFNs (a rounding difference could flip a top-k choice); the states are f32: the kernels and the references
+  round the bf16 inputs differently."""
   base = preset("tiny", impl="xla", num_hidden_layers=2, layer_types=("kda", "mla"), kda_head_dim=64,
-                first_k_dense_replace=2)
+                qk_nope_head_dim=64, v_head_dim=64, first_k_dense_replace=2)
   want, got = flows(base), flows(base.replace(impl=impl))
   for key in ("hit", "verify"):
     a, b = got[key], want[key]

@@ -51,12 +51,12 @@ class MlaPrefillConfig:
       ``(Dn + Dr) ** -0.5`` (q's last dim). K3 uses ``192 ** -0.5``.
     impl: "xla" (blockwise flash-style pure JAX), "pallas" (the Mosaic GPU kernel, Hopper; bf16 or f16 inputs,
       head dims positive multiples of 64) or "interpret" (the same kernel in Mosaic GPU interpret mode on the CPU:
-      slow, for tests). Default "xla" everywhere for now.
+      slow, for tests). Default: "pallas" on a Hopper GPU, "xla" elsewhere (as the other ops).
     tuning: ``MlaPrefillTuning``, or None for ``default_tuning`` in every field.
   """
 
   scale: float | None = None
-  impl: str = "xla"
+  impl: str = dataclasses.field(default_factory=util.default_impl)
   tuning: MlaPrefillTuning | None = None
 
   def __post_init__(self):
