@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from pallas_kernels import KdaConfig, MlaDecodeConfig, MlaPrefillConfig, ShortConvConfig
 from pallas_kernels import util
 from pallas_kernels.mla import config as mla_config
+from pallas_kernels.mla_prefill import kernel as mla_prefill_kernel
 from pallas_kernels.mla.config import LATENT_DIM, ROPE_DIM
 
 PAGE_SIZE = mla_config.PAGE_SIZE  # tokens per page of the MLA latent cache (the MLA ops')
@@ -233,10 +234,11 @@ class K3Config:
     return MlaDecodeConfig(scale=self.mla_scale, partial_dtype=self.partial_dtype, impl=self.impl)
 
   def mla_prefill_op_config(self) -> MlaPrefillConfig:
-    """The Mosaic GPU prefill attention takes 16-bit inputs: an f32 model runs its blockwise XLA path (the same
-    result at f32 precision, not a rounded one)."""
-    impl = "xla" if jnp.dtype(self.dtype) == jnp.float32 else self.impl
-    return MlaPrefillConfig(scale=self.mla_scale, impl=impl)
+    """The Mosaic GPU prefill attention takes 16-bit inputs and head dims that are multiples of 64 (Kimi's 128,
+    64 and 128): another model (an f32 one, a toy preset) runs the op's blockwise XLA path, the same function."""
+    kernel_ok = mla_prefill_kernel.unsupported(self.dtype, self.qk_nope_head_dim, self.qk_rope_head_dim,
+                                               self.v_head_dim) is None
+    return MlaPrefillConfig(scale=self.mla_scale, impl=self.impl if kernel_ok else "xla")
 
   def short_conv_op_config(self) -> ShortConvConfig:
     """Kimi-Linear's q/k/v convolutions: SiLU after the convolution."""

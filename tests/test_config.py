@@ -92,6 +92,12 @@ def test_runtime_fields_and_op_configs():
   assert c.kda_op_config().state_dtype == jnp.bfloat16 and c.kda_op_config().lower_bound == -5.0
   assert c.mla_op_config().partial_dtype == jnp.float32 and c.mla_op_config().impl == "xla"
   assert hash(c) == hash(cfg_lib.preset("tiny", state_dtype=jnp.bfloat16, partial_dtype="float32", impl="xla"))
+  # The MLA prefill kernel takes 16-bit activations and head dims that are multiples of 64 (K3's); other models
+  # run the op's XLA path under every impl.
+  k3 = cfg_lib.preset("kimi_k3", impl="pallas", dtype=jnp.bfloat16)
+  assert k3.mla_prefill_op_config().impl == "pallas" and k3.mla_prefill_op_config().scale == k3.mla_scale
+  for other in (k3.replace(dtype=jnp.float32), cfg_lib.preset("tiny", impl="pallas", dtype=jnp.bfloat16)):
+    assert other.mla_prefill_op_config().impl == "xla"
   with pytest.raises(dataclasses.FrozenInstanceError):
     c.hidden_size = 3
 

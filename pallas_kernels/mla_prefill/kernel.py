@@ -82,16 +82,22 @@ P0, P1, F0, F1 = range(4)
 f32 = jnp.float32
 
 
+def unsupported(dtype, dn: int, dr: int, dv: int) -> str | None:
+  """Why the kernel does not take inputs of ``dtype`` with these head dims, or None when it does: it takes bf16 and
+  f16, and head dims (Dn, Dr, Dv) that are positive multiples of 64."""
+  if jnp.dtype(dtype) not in tuple(map(jnp.dtype, KERNEL_DTYPES)):
+    return f"takes bf16 or f16 inputs, got q dtype {jnp.dtype(dtype).name}"
+  for name, d in (("k_nope", dn), ("k_rope", dr), ("v", dv)):
+    if d % HEAD_DIM_MULTIPLE or not d:
+      return f"needs {name}'s last dim to be a positive multiple of {HEAD_DIM_MULTIPLE}, got {d}"
+  return None
+
+
 def check_supported(q: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v: jax.Array) -> None:
-  """Raises ``NotImplementedError`` for valid inputs the kernel does not take: a dtype other than bf16/f16, or a
-  head dim (Dn, Dr, Dv) that is not a positive multiple of 64."""
-  if jnp.dtype(q.dtype) not in tuple(map(jnp.dtype, KERNEL_DTYPES)):
-    raise NotImplementedError(f"the Mosaic GPU MLA prefill kernel takes bf16 or f16 inputs, got q dtype "
-                              f"{jnp.dtype(q.dtype).name} (use impl='xla')")
-  for name, x in (("k_nope", k_nope), ("k_rope", k_rope), ("v", v)):
-    if x.shape[-1] % HEAD_DIM_MULTIPLE or not x.shape[-1]:
-      raise NotImplementedError(f"the Mosaic GPU MLA prefill kernel needs {name}'s last dim to be a positive "
-                                f"multiple of {HEAD_DIM_MULTIPLE}, got {x.shape[-1]} (use impl='xla')")
+  """Raises ``NotImplementedError`` for valid inputs the kernel does not take (``unsupported``)."""
+  why = unsupported(q.dtype, k_nope.shape[-1], k_rope.shape[-1], v.shape[-1])
+  if why:
+    raise NotImplementedError(f"the Mosaic GPU MLA prefill kernel {why} (use impl='xla')")
 
 
 def _output_stage_rows(dq: int, dv: int) -> int | None:
