@@ -293,7 +293,7 @@ def test_keys_apart_bad_inputs_raise():
     mla_prefill_attention(*args[:3], args[3][:5], cu_seqlens=cu, cu_seqlens_k=cuk, config=_xla())
 
 
-@budget(cpu=8, gpu=40)
+@budget(cpu=8, gpu=20)
 @given(lens=st.lists(st.integers(0, 30), min_size=1, max_size=3), extra=st.lists(st.integers(0, 40), min_size=3,
                                                                                   max_size=3),
        num_heads=st.integers(1, 3), block_q=st.integers(1, 24), block_k=st.integers(1, 24), bf16=st.booleans(),
@@ -450,7 +450,7 @@ RANDOM_MAX_LEN, RANDOM_HEADS = (3000, (1, 11)) if ON_GPU else (300, (1, 2))
 EDGE_LENS = (0, 1, 63, 64, 65, 127, 128, 129)
 
 
-@budget(cpu=5, gpu=30)
+@budget(cpu=5, gpu=12)
 @given(lens=st.lists(st.one_of(st.sampled_from(EDGE_LENS), st.integers(0, RANDOM_MAX_LEN)), min_size=1, max_size=4),
        heads=st.sampled_from(RANDOM_HEADS), tuning=st.sampled_from([(64, 2), (64, 4), (128, 2)]),
        q_std=st.sampled_from([0.3, 1.0, 3.0]), f16=st.booleans(), seed=st.integers(0, 2 ** 16))

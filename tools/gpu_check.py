@@ -128,7 +128,7 @@ PYTEST = (PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "8")
 SHARED_GPU = (("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),)
 SECTIONS = (
     Section("gpu-tests", PYTEST + ("-m", "gpu"), 420, _pytest_summary, SHARED_GPU),
-    Section("randomized", PYTEST + ("-k", "randomized", "tests"), 300, _pytest_summary, SHARED_GPU),
+    Section("randomized", PYTEST + ("-k", "randomized", "tests"), 420, _pytest_summary, SHARED_GPU),
     Section("demo", (PY, "-m", "k3jax.demo"), 240, _demo_summary),
     Section("kda-prefill", (PY, "benchmarks/kda_prefill.py", "--quick", "--shapes", "0", "3", "--json", "{json}"),
             300, _kda_prefill),
