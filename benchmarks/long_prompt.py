@@ -15,9 +15,10 @@ The block, its parameters and the expert fit are ``benchmarks/sharded_block.py``
     the one-shot prefill when ``--chunk 0``): ms per step (median of the timed steps) and tokens/s.
 (c) one-shot prefill: one call of all L tokens.
 
-Warm-up: the first call of each program compiles. Before the timed chunked run, two chunks run (compiling the
-call and running both the no-prefix and the prefix branch), then ``seq_lens`` is reset to 0, which restarts
-the sequence (state and rows are overwritten). The one-shot prefill runs once untimed, then ``--reps`` timed.
+Warm-up: the first call of each program compiles. A chunk's prefill is compiled once per bound on the cached
+rows it reads back (``prefix_rows``: the cached tokens rounded up to a power of two), so a few of the chunks
+compile; the whole chunked prefill runs once untimed, then ``seq_lens`` is reset to 0, which restarts the
+sequence (state and rows are overwritten). The one-shot prefill runs once untimed, then ``--reps`` timed.
 Times are wall clock around the calls, compile excluded; tokens/s = L / prefill time.
 
 Memory per device: ``peak_gib`` after each phase is ``memory_stats()["peak_bytes_in_use"]``, the process's peak
@@ -160,8 +161,8 @@ def run_length(step: steps.ModelStep, cfg: k3jax.K3Config, mesh: jax.sharding.Me
     try:
       if mode == "chunked":
         n = L // args.chunk
-        _log(f"L={L} chunked: warm-up ({min(2, n)} chunk(s) of {args.chunk}, compiles)")
-        cache, _ = prefill_chunks(cache, min(2, n), None)
+        _log(f"L={L} chunked: warm-up ({n} chunks of {args.chunk}, compiles)")
+        cache, _ = prefill_chunks(cache, n, None)
         samples = []
         for rep in range(args.reps):
           cache = restart(cache)
