@@ -255,18 +255,24 @@ def _parser() -> argparse.ArgumentParser:
   add("--warmup", type=int, default=1, help="untimed decode steps first (>= 1: the first compiles)")
   add("--reps", type=int, default=1, help="timed prefills per mode (median)")
   add("--devices", type=int, default=1, help="devices of the mesh: the first n")
+  add_block_options(parser, experts="the most that fit every mode, sharded_block")
+  add("--json", help="append one JSON line per prompt length to this file")
+  return parser
+
+
+def add_block_options(parser: argparse.ArgumentParser, *, experts: str) -> None:
+  """The options of a run of the K3 block that this script and prefix_cache.py share (``experts``: how the
+  expert count is chosen on a GPU, for the help text)."""
+  add = parser.add_argument
   add("--impl", choices=("xla", "pallas", "interpret"), default=None,
       help="kernel backend (default: pallas on a Hopper GPU, xla elsewhere; float32: xla)")
   add("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
       help="bfloat16 (the preset's dtypes) or float32 (every dtype f32, full-precision matmuls: tight equality)")
-  add("--experts", type=int, default=None,
-      help="routed experts (default: the preset's; K3 on GPU: the most that fit every mode, sharded_block)")
+  add("--experts", type=int, default=None, help=f"routed experts (default: the preset's; K3 on GPU: {experts})")
   add("--seed", type=int, default=0)
-  add("--json", help="append one JSON line per prompt length to this file")
   add("--cudnn-ragged-dot", action=argparse.BooleanOptionalAction, default=True,
       help="XLA GPU: cuDNN grouped matmuls for ragged_dot instead of a dense rewrite (as sharded_block.py)")
   add("--watchdog", type=float, default=900.0, help="dump every thread's stack every this many seconds (0: off)")
-  return parser
 
 
 def _resolve(args: argparse.Namespace) -> argparse.Namespace:

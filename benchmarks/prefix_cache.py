@@ -205,17 +205,8 @@ def _parser() -> argparse.ArgumentParser:
   add("--new-len", type=int, default=None, help="tokens after the prefix M (default 1024; tiny 64)")
   add("--interval", type=int, default=None, help="tokens between checkpoints (default 2048; tiny 64)")
   add("--reps", type=int, default=None, help="timed repetitions of each path (median; default 5, tiny 2)")
-  add("--impl", choices=("xla", "pallas", "interpret"), default=None,
-      help="kernel backend (default: pallas on a Hopper GPU, xla elsewhere; float32: xla)")
-  add("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-      help="bfloat16 (the preset's dtypes) or float32 (every dtype f32, full-precision matmuls: tight equality)")
-  add("--experts", type=int, default=None,
-      help="routed experts (default: the preset's; K3 on GPU: the most that fit the uncached prefill)")
-  add("--seed", type=int, default=0)
+  long_prompt.add_block_options(parser, experts="the most that fit the uncached prefill")
   add("--json", help="append one JSON line with every number to this file")
-  add("--cudnn-ragged-dot", action=argparse.BooleanOptionalAction, default=True,
-      help="XLA GPU: cuDNN grouped matmuls for ragged_dot instead of a dense rewrite (as sharded_block.py)")
-  add("--watchdog", type=float, default=900.0, help="dump every thread's stack every this many seconds (0: off)")
   return parser
 
 
