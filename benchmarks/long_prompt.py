@@ -61,6 +61,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3jax
 from benchmarks import sharded_block
+from benchmarks.sharded_block import log
 from k3jax import demo, steps
 
 GIB = 2 ** 30
@@ -69,10 +70,6 @@ ROW_KEYS = ("prompt_len", "chunk", "devices", "platform", "impl", "dtype", "expe
             "decode_context", "decode_ms", "decode_tok_s", "decode_peak_gib",
             "oneshot_status", "oneshot_ms", "oneshot_tok_s", "oneshot_peak_gib",
             "logits_max_abs_diff", "logits_max_rel_diff", "params_gib")
-
-
-def _log(msg: str) -> None:
-  print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def peak_gib(mesh: jax.sharding.Mesh) -> float | None:
@@ -100,10 +97,10 @@ def fit_modes(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Names
       try:
         fits.append(sharded_block.fit_experts(cfg, mesh, sizes, limit, options))
         skipped[L, mode] = None
-        _log(f"memory fit: L={L} {mode}: {fits[-1]} experts")
+        log(f"memory fit: L={L} {mode}: {fits[-1]} experts")
       except (ValueError, jax.errors.JaxRuntimeError) as e:  # not even 16 experts fit, or the compile ran out
         skipped[L, mode] = f"does not fit: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        _log(f"memory fit: L={L} {mode}: {skipped[L, mode]}")
+        log(f"memory fit: L={L} {mode}: {skipped[L, mode]}")
   if not fits:
     raise ValueError("no mode fits at any prompt length: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
   return min(fits), skipped
@@ -161,7 +158,7 @@ def run_length(step: steps.ModelStep, cfg: k3jax.K3Config, mesh: jax.sharding.Me
     try:
       if mode == "chunked":
         n = L // args.chunk
-        _log(f"L={L} chunked: warm-up ({n} chunks of {args.chunk}, compiles)")
+        log(f"L={L} chunked: warm-up ({n} chunks of {args.chunk}, compiles)")
         cache, _ = prefill_chunks(cache, n, None)
         samples = []
         for rep in range(args.reps):
@@ -169,11 +166,11 @@ def run_length(step: steps.ModelStep, cfg: k3jax.K3Config, mesh: jax.sharding.Me
           times = []
           cache, final = prefill_chunks(cache, n, times)
           samples.append(sum(times))
-          _log(f"L={L} chunked rep {rep + 1}/{args.reps}: {sum(times):,.1f} ms; per chunk "
+          log(f"L={L} chunked rep {rep + 1}/{args.reps}: {sum(times):,.1f} ms; per chunk "
                + " ".join(f"{t:,.0f}" for t in times))
         row.update(chunked_ms=float(np.median(samples)), chunk_ms=times)
       else:
-        _log(f"L={L} one-shot: warm-up (compiles)")
+        log(f"L={L} one-shot: warm-up (compiles)")
         cu = put(np.asarray([0, L], np.int32))
         tokens = put(prompt)
         _, cache = step.prefill(tokens, cu, cache, last_only=True)
@@ -185,11 +182,11 @@ def run_length(step: steps.ModelStep, cfg: k3jax.K3Config, mesh: jax.sharding.Me
           final = logits[-1]
           jax.block_until_ready(cache)
           samples.append((time.perf_counter() - t0) * 1e3)
-          _log(f"L={L} one-shot rep {rep + 1}/{args.reps}: {samples[-1]:,.1f} ms")
+          log(f"L={L} one-shot rep {rep + 1}/{args.reps}: {samples[-1]:,.1f} ms")
         row.update(oneshot_ms=float(np.median(samples)))
     except Exception as e:  # e.g. out of memory with --experts given: keep the other mode's numbers
       row[f"{mode}_status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
-      _log(f"L={L} {mode}: {row[f'{mode}_status']}")
+      log(f"L={L} {mode}: {row[f'{mode}_status']}")
       free(cache)
       continue
     last[mode] = np.asarray(final, np.float32)
@@ -217,7 +214,7 @@ def decode(step: steps.ModelStep, cache, feed: np.ndarray, put, args: argparse.N
     del logits
     times.append(dt * 1e3)
   ms = float(np.median(times[args.warmup:]))
-  _log(f"L={L} decode: {ms:.2f} ms/step (median of {args.decode_steps}; first step {times[0]:,.1f} ms with "
+  log(f"L={L} decode: {ms:.2f} ms/step (median of {args.decode_steps}; first step {times[0]:,.1f} ms with "
        f"compile)")
   free(cache)
   return dict(decode_context=L, decode_ms=ms, decode_tok_s=1e3 / ms, decode_peak_gib=peak_gib(mesh))
@@ -307,14 +304,12 @@ def _main(args: argparse.Namespace) -> int:
     args.experts, skipped = fit_modes(cfg, mesh, args, limit, options)
     cfg = cfg.replace(num_experts=args.experts)
   args.experts = cfg.num_experts
-  _log(f"long prompt: {'tiny' if args.tiny else 'Kimi-K3'} layers {'+'.join(cfg.layer_types)} (both MoE), hidden "
+  log(f"long prompt: {'tiny' if args.tiny else 'Kimi-K3'} layers {'+'.join(cfg.layer_types)} (both MoE), hidden "
        f"{cfg.hidden_size}, MLA {cfg.num_attention_heads} heads, experts {cfg.num_experts} "
        f"(top-{cfg.num_experts_per_token}), vocab {cfg.vocab_size}, {cfg.dtype.name}, impl={cfg.impl}; "
        f"{args.devices} {platform} device(s); prompts {args.prompt_len}, chunk {args.chunk}, one-shot "
        f"{args.one_shot}, decode {args.warmup}+{args.decode_steps} steps")
-  _log(f"initialising {cfg.num_experts}-expert parameters")
-  model, _ = sharded_block.init_model(cfg, mesh, args.seed, options)
-  step = steps.jit_model_step(model, mesh, vocab_size=cfg.vocab_size, compiler_options=options)
+  model, _, step = sharded_block.init_step(cfg, mesh, args.seed, options)
   rows = []
   for L in args.prompt_len:
     row = dict.fromkeys(ROW_KEYS)

@@ -53,6 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3jax
 from benchmarks import long_prompt, sharded_block
+from benchmarks.sharded_block import log
 from k3jax import dcp, demo, serving, steps
 from k3jax.cache import Checkpoints, SlotAllocator
 from k3jax.prefix_cache import MemoryReport, PagePool, PrefixCache, memory_report
@@ -72,10 +73,6 @@ ROW_KEYS = ("command", "device", "platform", "jax_version", "impl", "dtype", "ex
             # (c) memory: dicts with MEMORY_KEYS
             "memory_block", "memory_kimi_k3", "memory_kimi_k3_bf16_state",
             "peak_gib")
-
-
-def _log(msg: str) -> None:
-  print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def timed_ms(fn, *args):
@@ -121,7 +118,7 @@ def time_to_first_token(step: steps.ModelStep, cfg: k3jax.K3Config, mesh: jax.sh
       if rep:
         uncached.append(ms_u)
         cached.append(ms_c)
-      _log(f"admit {'warm-up (compiles)' if not rep else f'rep {rep}/{args.reps}'}: uncached {ms_u:,.1f} ms "
+      log(f"admit {'warm-up (compiles)' if not rep else f'rep {rep}/{args.reps}'}: uncached {ms_u:,.1f} ms "
            f"({L} tokens prefilled, {len(a.new_boundaries)} checkpoints saved), cached {ms_c:,.1f} ms "
            f"({b.cached_tokens} tokens from the cache, {L - b.cached_tokens} prefilled)")
   finally:
@@ -156,7 +153,7 @@ def checkpoint_cost(step: steps.ModelStep, cfg: k3jax.K3Config, mesh: jax.shardi
                                         cache)
         if rep:
           times[name].append(ms[name])
-      _log(f"prefill {'warm-up (compiles)' if not rep else f'rep {rep}/{args.reps}'} of {L} tokens: "
+      log(f"prefill {'warm-up (compiles)' if not rep else f'rep {rep}/{args.reps}'} of {L} tokens: "
            f"{ms['prefill_ms']:,.1f} ms without, {ms['prefill_ckpt_ms']:,.1f} ms with {len(offsets)} checkpoints")
   finally:
     long_prompt.free(cache)
@@ -248,14 +245,12 @@ def _main(args: argparse.Namespace) -> int:
   args.experts = cfg.num_experts
   print(f"command: {args.command}", flush=True)
   print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}", flush=True)
-  _log(f"prefix cache: {'tiny' if args.tiny else 'Kimi-K3'} layers {'+'.join(cfg.layer_types)} (both MoE), hidden "
+  log(f"prefix cache: {'tiny' if args.tiny else 'Kimi-K3'} layers {'+'.join(cfg.layer_types)} (both MoE), hidden "
        f"{cfg.hidden_size}, KDA {cfg.kda_num_heads}x{cfg.kda_head_dim}, MLA {cfg.num_attention_heads} heads, "
        f"experts {cfg.num_experts} (top-{cfg.num_experts_per_token}), vocab {cfg.vocab_size}, {cfg.dtype.name}, "
        f"impl={cfg.impl}; prompt {args.prefix_len} + {args.new_len} tokens, interval {args.interval}, "
        f"{args.reps} reps")
-  _log(f"initialising {cfg.num_experts}-expert parameters")
-  model, _ = sharded_block.init_model(cfg, mesh, args.seed, options)
-  step = steps.jit_model_step(model, mesh, vocab_size=cfg.vocab_size, compiler_options=options)
+  model, _, step = sharded_block.init_step(cfg, mesh, args.seed, options)
   prompt = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, L, dtype=np.int32)
   row = dict.fromkeys(ROW_KEYS)
   row.update(command=args.command, device=device.device_kind, platform=device.platform,

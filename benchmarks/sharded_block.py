@@ -95,7 +95,8 @@ RUN_FIELDS = ("tiny", "dtype", "experts", "seqs", "prompt_len", "prefill_batch",
 F32_FIELDS = tuple(f for f in k3jax.config.RUNTIME_FIELDS if f != "impl")
 
 
-def _log(msg: str) -> None:
+def log(msg: str) -> None:
+  """One progress line with the wall time (the long-running benchmarks of the K3 block share it)."""
   print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
@@ -221,7 +222,7 @@ def fit_experts(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Nam
       ("prefill", args.prompt_len, (whole(args.prefill_batch * args.prompt_len), whole(args.seqs + 1))),
       ("decode", args.context + args.decode_steps, (whole(args.seqs),))):
     cache = steps.init_mesh_cache(plan.config(cfg), args.seqs, capacity, mesh)  # small next to the weights
-    _log(f"memory fit: compiling {kind} for {cfg.num_experts} experts on abstract parameters")
+    log(f"memory fit: compiling {kind} for {cfg.num_experts} experts on abstract parameters")
     # Prefill: the logits the run asks for, every token's or each sequence's last (long_prompt.py).
     last_only = (getattr(args, "last_only", False),) if kind == "prefill" else ()
     with jax.set_mesh(mesh):
@@ -229,7 +230,7 @@ def fit_experts(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Nam
     jax.tree.map(lambda x: x.delete(), cache)
     peaks[kind] = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
                    + ma.temp_size_in_bytes)
-    _log(f"memory fit: {kind} needs {peaks[kind] / GIB:.1f} GiB per device (params {params / GIB:.1f}, "
+    log(f"memory fit: {kind} needs {peaks[kind] / GIB:.1f} GiB per device (params {params / GIB:.1f}, "
          f"temporaries {ma.temp_size_in_bytes / GIB:.1f}) of {limit / GIB:.1f}")
   per_expert = experts / (plan.padded("num_experts") // n)
   room = limit * (1 - MEMORY_MARGIN) - (max(peaks.values()) - experts)
@@ -260,15 +261,23 @@ def prefill_positions(prompt_len: int) -> np.ndarray:
   return np.unique(np.linspace(0, prompt_len - 1, PREFILL_ROWS).round().astype(np.int32))
 
 
+def init_step(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, seed: int,
+              compiler_options: dict | None = None
+              ) -> tuple[k3jax.KimiK3Model, padding.PaddingPlan, steps.ModelStep]:
+  """``init_model`` (logged), and the placed model's jitted step on ``mesh``."""
+  log(f"initialising {cfg.num_experts}-expert parameters on {sharding.mesh_size(mesh)} device(s)")
+  model, plan = init_model(cfg, mesh, seed, compiler_options)
+  return model, plan, steps.jit_model_step(model, mesh, vocab_size=cfg.vocab_size,
+                                           compiler_options=compiler_options)
+
+
 def run(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Namespace,
         compiler_options: dict | None) -> Output:
   """Places the block on ``mesh``, times the prefill and the decode (module docstring), keeps logits."""
   n, seqs, plen, batch = sharding.mesh_size(mesh), args.seqs, args.prompt_len, args.prefill_batch
   total_steps = args.warmup + args.decode_steps
   whole = NamedSharding(mesh, P())
-  _log(f"initialising {cfg.num_experts}-expert parameters on {n} device(s)")
-  model, plan = init_model(cfg, mesh, args.seed, compiler_options)
-  step = steps.jit_model_step(model, mesh, vocab_size=cfg.vocab_size, compiler_options=compiler_options)
+  model, plan, step = init_step(cfg, mesh, args.seed, compiler_options)
   rng = np.random.default_rng(args.seed)
   prompts = rng.integers(0, cfg.vocab_size, (seqs, plen), dtype=np.int32)
   feed = rng.integers(0, cfg.vocab_size, (total_steps, seqs), dtype=np.int32)
@@ -284,7 +293,7 @@ def run(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Namespace,
   kept, times = [], []
   for rep in range(args.warmup + args.reps):
     what = "compile + warm-up" if rep < args.warmup else "timed"
-    _log(f"prefill rep {rep + 1}/{args.warmup + args.reps} ({what}): {len(calls)} call(s) of "
+    log(f"prefill rep {rep + 1}/{args.warmup + args.reps} ({what}): {len(calls)} call(s) of "
          f"{calls[0][0].shape[0]} tokens")
     t0 = time.perf_counter()
     for i, (tokens, cu) in enumerate(calls):
@@ -300,7 +309,7 @@ def run(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Namespace,
   jax.tree.map(lambda x: x.delete(), cache)
 
   # (b) decode at `context` cached tokens per sequence (a synthetic cache, module docstring).
-  _log(f"building the decode cache: {seqs} sequences x {args.context} tokens")
+  log(f"building the decode cache: {seqs} sequences x {args.context} tokens")
   cache = context_cache(model.cfg, cfg, mesh, seqs, args.context, args.context + total_steps, args.seed + 1)
   decoded, times = [], []
   for s in range(total_steps):
@@ -308,7 +317,7 @@ def run(cfg: k3jax.K3Config, mesh: jax.sharding.Mesh, args: argparse.Namespace,
     decoded.append(np.asarray(logits))
     times.append(dt)
     if s < args.warmup or s == total_steps - 1:
-      _log(f"decode step {s + 1}/{total_steps}: {dt * 1e3:.1f} ms" + (" (compile + warm-up)" if s < args.warmup
+      log(f"decode step {s + 1}/{total_steps}: {dt * 1e3:.1f} ms" + (" (compile + warm-up)" if s < args.warmup
                                                                      else ""))
   decode_compile_s, decode_s = times[0], float(np.median(times[args.warmup:]))
 
@@ -532,7 +541,7 @@ def _main(args: argparse.Namespace) -> int:
     cfg = cfg.replace(num_experts=args.experts)
   args.experts = cfg.num_experts
   full = k3jax.preset("tiny" if args.tiny else "kimi_k3")
-  _log(f"sharded block: {'tiny' if args.tiny else 'Kimi-K3'} layers {'+'.join(cfg.layer_types)} (both MoE), "
+  log(f"sharded block: {'tiny' if args.tiny else 'Kimi-K3'} layers {'+'.join(cfg.layer_types)} (both MoE), "
        f"hidden {cfg.hidden_size}, KDA {cfg.kda_num_heads}x{cfg.kda_head_dim}, MLA {cfg.num_attention_heads} heads "
        f"latent {cfg.kv_lora_rank}+{cfg.qk_rope_head_dim}, experts {cfg.num_experts} of the preset's "
        f"{full.num_experts} (top-{cfg.num_experts_per_token}, {cfg.moe_hidden_size}x{cfg.moe_intermediate_size}), "
@@ -548,7 +557,7 @@ def _main(args: argparse.Namespace) -> int:
     # to carry (float32: 68 MB).
     np.savez(args.save, prefill_logits=out.prefill_logits.astype(np.float16),
              decode_logits=out.decode_logits.astype(np.float16), run=json.dumps(out.row))
-    _log(f"saved the reference to {args.save}")
+    log(f"saved the reference to {args.save}")
   if args.json:
     with open(args.json, "a") as f:
       f.write(json.dumps(out.row) + "\n")
