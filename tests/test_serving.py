@@ -6,12 +6,16 @@ The model is the tiny preset in float32 (impl xla) on one CPU device. Prompts ar
 interval: an uncached prompt saves checkpoints at 64, 128 and 192, and a repeat of it hits at 192.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from hypothesis import given
+from hypothesis import strategies as st
 from layer_oracles import tiny
+from support import budget
 
 import k3jax
 from k3jax import serving, sharding, steps
@@ -180,8 +184,8 @@ def test_checkpoints_hold_the_states_of_a_prefill_stopped_there(setup):
         a, b = np.asarray(getattr(got, name)[slot]), np.asarray(getattr(want, name)[0])
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=f"{name} at {stop}")
   # Slots no one asked for keep their poison.
-  for st in full.kda:
-    assert np.isnan(np.asarray(st.recurrent)[[2, 3]]).all() and np.isnan(np.asarray(st.conv_q)[[2, 3]]).all()
+  for state in full.kda:
+    assert np.isnan(np.asarray(state.recurrent)[[2, 3]]).all() and np.isnan(np.asarray(state.conv_q)[[2, 3]]).all()
 
 
 def test_hit_on_a_mesh_matches_one_device(setup):
@@ -209,6 +213,60 @@ def test_hit_on_a_mesh_matches_one_device(setup):
   close(np.asarray(logits)[1], np.asarray(ref)[0])
   got, _ = mstep.decode(jnp.asarray([0, follow[0]], jnp.int32), cache)
   close(np.asarray(got)[1], np.asarray(ref_next)[0])
+
+
+@budget(cpu=3, gpu=6)
+@given(ops=st.lists(st.tuples(st.integers(0, 2), st.sampled_from([70, 130, 200]), st.booleans()), min_size=3,
+                    max_size=7))
+def test_randomized_admit_and_finish_match_uncached_prefills(setup, ops):
+  """Random admissions of prompts sharing prefixes (three base prompts cut at 70, 130 or 200 tokens) into two
+  rows, each finished at once or left running, under a pool small enough to evict: every admission's last-token
+  logits equal an uncached prefill of its prompt, and when no sequence runs every slot and page is back.
+  Full-precision f32 matmuls: on a GPU, XLA's default would round f32 dots to TF32."""
+  with jax.default_matmul_precision("highest"):
+    _admit_and_finish(*setup, ops)
+
+
+def _admit_and_finish(cfg, step, ops):
+  bases = [prompt(cfg, 40 + i) for i in range(3)]
+  cache, pc = fresh(cfg, num_slots=6, num_pages=14)
+  running: list[serving.Admitted] = []
+  for base, length, keep in ops:
+    p = bases[base][:length]
+    if len(running) == 2:
+      cache = serving.finish(cache, pc, running.pop(0))
+    row = next(r for r in (0, 1) if all(a.row != r for a in running))
+    try:
+      logits, cache, (a,) = serving.admit(step, cache, pc, [serving.Request(row, p, 0)])
+    except ValueError as e:  # the running sequence pins what an eviction would need: end it and retry
+      assert "cannot make room" in str(e) and running
+      cache = serving.finish(cache, pc, running.pop(0))
+      logits, cache, (a,) = serving.admit(step, cache, pc, [serving.Request(row, p, 0)])
+    assert a.cached_tokens <= length - 1 and a.cached_tokens % INTERVAL == 0
+    close(np.asarray(logits)[row], uncached(cfg, step, tuple(p.tolist())))
+    if keep:
+      running.append(a)
+    else:
+      cache = serving.finish(cache, pc, a)
+  for a in running:
+    cache = serving.finish(cache, pc, a)
+  # Nothing leaked: with every entry evicted, every slot and page is free again.
+  pc.ensure_free(slots=6, pages=14)
+  assert (pc.slots.num_free, pc.pages.num_free, len(pc)) == (6, 14, 0)
+  np.testing.assert_array_equal(np.asarray(cache.state_indices), [-1, -1])
+
+
+_UNCACHED: dict = {}
+
+
+def uncached(cfg, step, tokens: tuple) -> np.ndarray:
+  """Last-token logits of a plain prefill of ``tokens`` into a fresh cache (memoised across examples)."""
+  if tokens not in _UNCACHED:
+    cache = init_cache(cfg, 1, MAX_LEN)
+    logits, _ = step.prefill(jnp.asarray(tokens, jnp.int32), jnp.asarray([0, len(tokens)], jnp.int32), cache,
+                             last_only=True)
+    _UNCACHED[tokens] = np.asarray(logits)[0]
+  return _UNCACHED[tokens]
 
 
 # ------------------------------------------------------------------------------------- speculative verify
@@ -259,8 +317,8 @@ def test_verify_then_accept_equals_decoding_one_by_one(setup):
   for row, kept in ((0, 2), (2, 4)):
     want, _ = one_by_one(step, running(cfg, step), list(first.T[:kept]) + list(second.T))
     close(logits[row], want[row, kept:])
-  for st in cache.kda:  # slots 8 and 9 were never anyone's
-    assert np.isnan(np.asarray(st.recurrent)[8:]).all() and np.isnan(np.asarray(st.conv_v)[8:]).all()
+  for state in cache.kda:  # slots 8 and 9 were never anyone's
+    assert np.isnan(np.asarray(state.recurrent)[8:]).all() and np.isnan(np.asarray(state.conv_v)[8:]).all()
   assert all(np.isnan(np.asarray(kv)[10:]).all() for kv in cache.mla)  # pages no row holds
 
 
@@ -301,13 +359,13 @@ def test_verify_on_a_mesh_matches_one_device(setup):
   toks = np.random.default_rng(23).integers(0, cfg.vocab_size, (2, 1 + S)).astype(np.int32)
   drafts = jnp.asarray(DRAFTS[[0, 2]])
   results = []
-  for st, cache in ((step, init_cache(cfg, 2, MAX_LEN, num_slots=10)),
+  for runner, cache in ((step, init_cache(cfg, 2, MAX_LEN, num_slots=10)),
                     (mstep, steps.init_mesh_cache(placed.cfg, 2, MAX_LEN, mesh, num_slots=10))):
     p = np.concatenate([prompt(cfg, 24, 100), prompt(cfg, 25, 61)])
-    _, cache = st.prefill(jnp.asarray(p), jnp.asarray([0, 100, 161], jnp.int32), cache)
-    logits, cache = st.verify(jnp.asarray(toks), cache, drafts)
+    _, cache = runner.prefill(jnp.asarray(p), jnp.asarray([0, 100, 161], jnp.int32), cache)
+    logits, cache = runner.verify(jnp.asarray(toks), cache, drafts)
     cache, next_drafts = k3jax.accept(cache, drafts, jnp.asarray([3, 1], jnp.int32))
-    after, _ = st.decode(jnp.asarray(toks[:, 0]), cache)
+    after, _ = runner.decode(jnp.asarray(toks[:, 0]), cache)
     results.append((np.asarray(logits), np.asarray(after), np.asarray(next_drafts)))
   (one, one_after, one_drafts), (many, many_after, many_drafts) = results
   close(many, one)
@@ -326,8 +384,8 @@ def flows(cfg):
   cache = serving.finish(cache, pc, a)
   hit, cache, (b,) = serving.admit(step, cache, pc, [serving.Request(1, p, NEW)])
   assert b.cached_tokens == 128
-  states = lambda c, slot: [np.asarray(getattr(st, n)[slot], np.float64) for st in c.kda for n in ("recurrent",
-                                                                                                    "conv_v")]
+  states = lambda c, slot: [np.asarray(getattr(state, n)[slot], np.float64) for state in c.kda
+                            for n in ("recurrent", "conv_v")]
   out = {"hit": np.asarray(hit)[1], "hit_states": states(cache, b.slot)}
   toks = jnp.asarray(np.stack([np.zeros(1 + S, np.int32), prompt(cfg, 31, 1 + S)]))
   drafts = jnp.asarray([[-1] * S, list(pc.slots.allocate(S))], jnp.int32)
