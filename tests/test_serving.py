@@ -322,6 +322,23 @@ def test_verify_then_accept_equals_decoding_one_by_one(setup):
   assert all(np.isnan(np.asarray(kv)[10:]).all() for kv in cache.mla)  # pages no row holds
 
 
+@budget(cpu=2, gpu=4)
+@given(kept=st.tuples(st.integers(1, 1 + S), st.integers(1, 1 + S)), seed=st.integers(0, 2 ** 16))
+def test_randomized_verify_accept_equals_decoding_the_kept_tokens(setup, kept, seed):
+  """Random drafts and accepted counts per row: after verify + accept, a decode step equals decoding exactly the
+  kept tokens one by one (full-precision f32 matmuls, as above)."""
+  cfg, step = setup
+  with jax.default_matmul_precision("highest"):
+    toks = np.random.default_rng(seed).integers(0, cfg.vocab_size, (3, 2 + S)).astype(np.int32)
+    toks[1] = 0
+    _, cache = step.verify(jnp.asarray(toks[:, :1 + S]), running(cfg, step), jnp.asarray(DRAFTS))
+    cache, _ = k3jax.accept(cache, jnp.asarray(DRAFTS), jnp.asarray([kept[0], 0, kept[1]], jnp.int32))
+    got, _ = step.decode(jnp.asarray(toks[:, -1]), cache)
+    for row, n in ((0, kept[0]), (2, kept[1])):
+      want, _ = one_by_one(step, running(cfg, step), list(toks.T[:n]) + [toks[:, -1]])
+      close(np.asarray(got)[row], want[row, -1])
+
+
 def test_verify_and_accept_checks(setup):
   cfg, step = setup
   cache = running(cfg, step)
