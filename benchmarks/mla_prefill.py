@@ -28,8 +28,8 @@ median over ``--reps`` runs of back-to-back calls (wall time, ms). FLOPs are the
 work, ``2 * sum_n L_n (L_n + 1) / 2 * H * (Dqk + Dv)`` with Dqk = 192 and Dv = 128 (QK^T and PV over the visible
 pairs), the same for every implementation: a peer that pads v to 192 does 1.2x that and is not credited for it.
 ``of peak`` is TFLOP/s over ``benchmarks._harness.PEAK_BF16_FLOPS`` (the bf16 MMA rate measured on the H200).
-``rel RMSE`` is each output's RMSE against ours over its RMS, on up to 8192 evenly spaced token rows (all
-heads, the 128 real v columns).
+``rel RMSE`` is each output's RMSE against ours (the first of ``--tunings``) over its RMS, on up to 8192 evenly
+spaced token rows (all heads, the 128 real v columns).
 
 JSON (``--json``): one line per (shape, implementation), appended as soon as it is measured, with the keys
 ``ROW_KEYS``; ``ms``, ``tflops``, ``peak_frac`` and ``rel_rmse`` are null where the implementation did not run
@@ -40,6 +40,7 @@ Usage (on the GPU machine, torch installed)::
   PYTHONPATH=. python3 benchmarks/mla_prefill.py --json mla_prefill.jsonl
   PYTHONPATH=. python3 benchmarks/mla_prefill.py --quick              # T = 4K only
   PYTHONPATH=. python3 benchmarks/mla_prefill.py --T 131072 --N 1 --H 96 --reps 1
+  PYTHONPATH=. python3 benchmarks/mla_prefill.py --T 32768 --H 96 --tunings 64x2 64x4 128x2   # the kernel's knobs
   PYTHONPATH=. python3 benchmarks/mla_prefill.py --smoke              # T = 256, H = 2 (a CPU runs it)
 """
 
@@ -59,7 +60,7 @@ import numpy as np
 
 from benchmarks._harness import PEAK_BF16_FLOPS
 from pallas_kernels import testing
-from pallas_kernels.mla_prefill import MlaPrefillConfig, mla_prefill_attention
+from pallas_kernels.mla_prefill import MlaPrefillConfig, MlaPrefillTuning, mla_prefill_attention
 
 DN, DR, DV = 128, 64, 128
 DQK = DN + DR
@@ -105,9 +106,19 @@ def check_rows(T: int) -> np.ndarray:
   return np.unique(np.linspace(0, T - 1, min(T, CHECK_ROWS)).round().astype(np.int64))
 
 
-def run_ours(inputs, N: int, impl: str | None, *, budget_s: float, reps: int):
+def tuning_arg(text: str) -> MlaPrefillTuning:
+  """``--tunings`` entry ``BKxSTAGES`` (e.g. ``64x4``): the kernel's key rows per step and K/V ring slots."""
+  try:
+    block_k, stages = (int(x) for x in text.split("x"))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"a tuning is BLOCK_KxSTAGES, e.g. 64x4, got {text!r}") from None
+  return MlaPrefillTuning(kernel_block_k=block_k, num_stages=stages)
+
+
+def run_ours(inputs, N: int, impl: str | None, *, budget_s: float, reps: int,
+             tuning: MlaPrefillTuning | None = None):
   """``(impl, ms, sampled rows of o [rows, H, 128] f32)`` of ``mla_prefill_attention``."""
-  config = MlaPrefillConfig(scale=SCALE) if impl is None else MlaPrefillConfig(scale=SCALE, impl=impl)
+  config = MlaPrefillConfig(scale=SCALE, tuning=tuning, **({} if impl is None else dict(impl=impl)))
   T = inputs[0].shape[0]
   cu = jnp.asarray(np.arange(N + 1) * (T // N), jnp.int32)
   # Jitted whole so that the op's host check of a concrete cu_seqlens (a device-to-host copy) stays out of the
@@ -245,6 +256,8 @@ def _parser() -> argparse.ArgumentParser:
   add("--quick", action="store_true", help="T = 4096 only")
   add("--smoke", action="store_true", help="T = 256, N 1 and 2, H = 2, f32, impl xla, 1 rep: a CPU smoke test")
   add("--impl", default=None, help="mla_prefill_attention's impl (default: the op's default)")
+  add("--tunings", nargs="+", type=tuning_arg, default=[None],
+      help="kernel tunings to time, each BLOCK_KxSTAGES (e.g. 64x4 128x2; default: the op's default_tuning)")
   add("--peers", nargs="*", choices=PEERS + EXTRA_PEERS, default=None,
       help=f"peers to run (default: {' '.join(PEERS)}; with --smoke also jax-xla; empty: ours only)")
   add("--reps", type=int, default=3, help="timed runs of back-to-back calls; the median is reported")
@@ -296,12 +309,15 @@ def main(argv: list[str] | None = None) -> int:
           out.write(json.dumps(row) + "\n")
           out.flush()
 
-      try:
-        impl, ms, ours_o = run_ours(inputs, N, args.impl, budget_s=args.budget_s, reps=args.reps)
-        emit(f"ours ({impl})", "packed varlen", DV, ms)
-      except NotImplementedError as e:  # --impl pallas before the kernel exists: the peers still run
-        ours_o = None
-        emit(f"ours ({args.impl})", "packed varlen", status=f"unsupported: {str(e).splitlines()[0][:200]}")
+      ours_o = None
+      for tuning in args.tunings:
+        label = "" if tuning is None else f", {tuning.kernel_block_k}x{tuning.num_stages}"
+        try:
+          impl, ms, o = run_ours(inputs, N, args.impl, budget_s=args.budget_s, reps=args.reps, tuning=tuning)
+          emit(f"ours ({impl}{label})", "packed varlen", DV, ms)
+          ours_o = o if ours_o is None else ours_o
+        except NotImplementedError as e:  # e.g. --impl pallas with inputs the kernel does not take
+          emit(f"ours ({args.impl}{label})", "packed varlen", status=f"unsupported: {str(e).splitlines()[0][:200]}")
       for name in args.peers:
         layout = "batch N,L,H,D" if name.startswith("jax") else "batch N,H,L,D"
         if skip[name]:

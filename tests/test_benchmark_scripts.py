@@ -1,11 +1,13 @@
 """CPU smoke runs of benchmarks/mla_prefill.py, benchmarks/long_prompt.py and benchmarks/prefix_cache.py at tiny
 sizes (f32, impl xla)."""
 
+import argparse
 import json
 import pathlib
 import sys
 
 import numpy as np
+import pytest
 
 # The scripts import ``benchmarks.*`` from the repository root: ``python -m pytest`` has it on the path, the
 # bare ``pytest`` entry point does not.
@@ -40,6 +42,12 @@ def test_mla_prefill_smoke(tmp_path, capsys):
   assert len(dense) == 2 and all(r["status"] == "ok" and r["v_dim"] == 192 and r["rel_rmse"] < 1e-5
                                  for r in dense), dense
   assert "ours (xla)" in out and "TFLOP/s" in out and "skipped: cpu backend" in out
+
+
+def test_tunings_argument():
+  assert mla_prefill.tuning_arg("64x4") == mla_prefill.MlaPrefillTuning(kernel_block_k=64, num_stages=4)
+  with pytest.raises(argparse.ArgumentTypeError, match="BLOCK_KxSTAGES"):
+    mla_prefill.tuning_arg("64")
 
 
 def test_causal_flops_counts_the_visible_pairs():
