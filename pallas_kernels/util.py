@@ -23,6 +23,13 @@ def cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def pad_rows(x: jax.Array, rows: int) -> jax.Array:
+  """``x`` with zero rows appended along axis 0 up to ``rows`` (``x`` itself when it has them already)."""
+  if x.shape[0] == rows:
+    return x
+  return jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
+
+
 @functools.cache
 def is_hopper_gpu() -> bool:
   """True when the default JAX backend is a CUDA GPU of compute capability 9.x (sm_90a)."""

@@ -112,8 +112,7 @@ def kda_prefill_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Arra
   if T < C:
     # TMA boxes are one chunk tall: give the token arrays at least one chunk of (unused) rows. T = 0 runs
     # too: its length-0 sequences still write zero states into the slots of those without an initial state.
-    q, k, v, g_raw, beta_raw = (jnp.pad(x, ((0, C - T),) + ((0, 0),) * (x.ndim - 1))
-                                for x in (q, k, v, g_raw, beta_raw))
+    q, k, v, g_raw, beta_raw = (util.pad_rows(x, C) for x in (q, k, v, g_raw, beta_raw))
   o, pool = _prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, cu_seqlens, state_pool, state_indices,
                      has_initial_state, checkpoint_indptr, checkpoint_offsets, checkpoint_slots, config=config,
                      interpret=interpret)

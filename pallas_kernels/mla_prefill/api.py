@@ -29,10 +29,6 @@ def default_tuning() -> MlaPrefillTuning:
   return MlaPrefillTuning(block_q=256, block_k=512, kernel_block_k=128, num_stages=2)
 
 
-def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
-  return jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k"))
 def _blockwise(q, k_nope, k_rope, v, cu_seqlens, cu_seqlens_k, *, scale, block_q, block_k):
   t, h, _ = q.shape
@@ -43,8 +39,8 @@ def _blockwise(q, k_nope, k_rope, v, cu_seqlens, cu_seqlens_k, *, scale, block_q
   # Padded keys have indices >= Tk, past every row's range. Padded query rows repeat the last row's bounds
   # (the blocks visited stay those of the real rows) and are sliced off; they only need to stay finite.
   lo, hi = (jnp.pad(x, (0, nq * bq - t), mode="edge") for x in (lo, hi))
-  q_blocks = _pad_rows(q, nq * bq).reshape(nq, bq, *q.shape[1:])
-  k_nope, k_rope, v = (_pad_rows(x, nk * bk) for x in (k_nope, k_rope, v))
+  q_blocks = util.pad_rows(q, nq * bq).reshape(nq, bq, *q.shape[1:])
+  k_nope, k_rope, v = (util.pad_rows(x, nk * bk) for x in (k_nope, k_rope, v))
 
   def query_block(args):
     i, q_blk = args

@@ -358,21 +358,15 @@ def _rows(t: int, box: int) -> int:
   return max(util.cdiv(t, 8) * 8, box)
 
 
-def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
-  if x.shape[0] == rows:
-    return x
-  return jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_stages", "interpret", "smem_operands"))
 def _attention(q, k_nope, k_rope, v, row_lo, row_hi, *, scale, block_k, num_stages, interpret, smem_operands):
   tq, h, dq = q.shape
   dn, dr, dv = k_nope.shape[-1], k_rope.shape[-1], v.shape[-1]
   dtype = q.dtype
   nq = util.cdiv(tq, BLOCK_Q)
-  q = _pad_rows(q, _rows(tq, WG_ROWS))
+  q = util.pad_rows(q, _rows(tq, WG_ROWS))
   tk = _rows(k_nope.shape[0], block_k)
-  k_nope, k_rope, v = (_pad_rows(x, tk) for x in (k_nope, k_rope, v))
+  k_nope, k_rope, v = (util.pad_rows(x, tk) for x in (k_nope, k_rope, v))
   # Rows past Tq repeat the last row's bounds: no extra masked block, and their results are dropped.
   row_lo, row_hi = (jnp.pad(x.astype(jnp.int32), (0, nq * BLOCK_Q - tq), mode="edge") for x in (row_lo, row_hi))
   stage_rows = _output_stage_rows(dq, dv)
