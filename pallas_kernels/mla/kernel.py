@@ -1,6 +1,6 @@
 """Split-K absorbed MLA decode as a Pallas Mosaic GPU kernel (Hopper).
 
-One program per (64-row head tile, split, sequence); a memory warpgroup streams the sequence's pages by TMA
+One program per (split, sequence, 64-row head tile), head tiles fastest; a memory warpgroup streams the sequence's pages by TMA
 into a two-slot ring that two compute warpgroups share (QK and the softmax on one, ``P @ V`` split by output
 columns over both). See README.md for the derivation, the NaN rules and the SMEM budget.
 """
@@ -211,8 +211,10 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
                         scale=scale, smem_operands=smem_operands),
       out_type=(jax.ShapeDtypeStruct((num_splits, batch, out_rows, LATENT_DIM), partial_dtype),
                 jax.ShapeDtypeStruct((num_splits, batch, out_rows), jnp.float32)),
-      grid=(head_blocks, num_splits, batch),
-      grid_names=("hb", "split", "b"),
+      # Row-major: the last grid axis is the fastest (Mosaic GPU maps it to CUDA's x, dispatched first), so the
+      # head blocks of one (split, sequence) run at the same time and the second reads the pages from L2.
+      grid=(num_splits, batch, head_blocks),
+      grid_names=("split", "b", "hb"),
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
       scratch_types=(

@@ -5,9 +5,10 @@ The kernel is general over key rows: query row ``i`` of ``q [Tq, H, Dn + Dr]`` a
 bounds non-decreasing in ``i``. Packed causal self-attention is ``row_lo`` = the row's sequence start and
 ``row_hi = i + 1``; a chunked prefill whose new tokens attend to a cached prefix and to themselves fits too.
 
-Grid and warpgroups. One program per (128-row query block, head), the query blocks fastest so that the
-programs running at once share one head's K/V tiles in L2, and in reverse order so that the longest (last)
-blocks of a long sequence start first. Three warpgroups: two consumers of 64 query rows each and a producer
+Grid and warpgroups. One program per (head, 128-row query block), the query blocks fastest so that the
+programs running at once share one head's K/V tiles in L2 (heads fastest would spread the SMs over all
+heads, whose K/V then no longer fit), and in reverse order so that the longest (last) blocks of a long
+sequence start first. Three warpgroups: two consumers of 64 query rows each and a producer
 that issues every TMA load: the program's q tile and row bounds, then the K/V tiles of each visited key
 block into a ring of ``num_stages`` slots. Each consumer computes ``S = q_nope k_nope^T + q_rope k_rope^T``
 (two wgmmas into one f32 accumulator: q_nope and q_rope are column slices, whole 64-column tiles, of the one
@@ -393,8 +394,10 @@ def _attention(q, k_nope, k_rope, v, row_lo, row_hi, *, scale, block_k, num_stag
       functools.partial(_body, scale=scale, block_k=block_k, num_stages=num_stages, num_q_blocks=nq,
                         smem_operands=smem_operands),
       out_type=(jax.ShapeDtypeStruct((q.shape[0], h, dv), dtype), jax.ShapeDtypeStruct((h, nq * BLOCK_Q), f32)),
-      grid=(nq, h),
-      grid_names=("q", "h"),
+      # Row-major: the last grid axis is the fastest (Mosaic GPU maps it to CUDA's x, which the hardware
+      # dispatches first), so the query blocks of one head run together.
+      grid=(h, nq),
+      grid_names=("h", "q"),
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
       scratch_types=scratch,
