@@ -27,6 +27,12 @@ mode with ``--chunk 0`` or ``--no-one-shot`` for its own). Null where the backen
 Every prefill asks for the last token's logits only (``last_only``): the full f32 logits, ``[T, 163840]``,
 would be the largest buffer of a long prompt's step.
 
+Profile (``--profile``, GPU): one more one-shot prefill under CUPTI (``benchmarks._harness.cupti_kernels``).
+``oneshot_profile`` holds its wall ms, the summed ms of every kernel it ran and that sum per family
+(``KERNEL_FAMILIES``: the Pallas ops, the matmuls, the rest), the five costliest kernels of the rest, and
+``wall_over_ops``: the wall time over the Pallas ops + matmuls, i.e. how far the whole prefill is from the sum
+of its op times (what the glue and the gaps between kernels add).
+
 Equality: ``logits_max_abs_diff`` is max |one-shot - chunked| over the final token's logits (the same token,
 the same cached context), ``logits_max_rel_diff`` that over the largest |one-shot logit|. In bf16 the two paths
 round differently (and a router near-tie may flip an expert, see sharded_block.py); ``--dtype float32`` (every
@@ -45,6 +51,7 @@ Usage::
   PYTHONPATH=. python3 benchmarks/long_prompt.py --json long_prompt.jsonl                  # 32K and 128K
   PYTHONPATH=. python3 benchmarks/long_prompt.py --prompt-len 32768 --chunk 8192 --decode-steps 8
   PYTHONPATH=. python3 benchmarks/long_prompt.py --prompt-len 131072 --no-one-shot         # chunked only
+  PYTHONPATH=. python3 benchmarks/long_prompt.py --prompt-len 32768 --chunk 0 --profile    # one-shot vs its ops
   PYTHONPATH=. python3 benchmarks/long_prompt.py --tiny --dtype float32   # tiny preset, 1 CPU device, seconds
 """
 
@@ -69,7 +76,10 @@ ROW_KEYS = ("prompt_len", "chunk", "devices", "platform", "impl", "dtype", "expe
             "chunked_status", "chunked_ms", "chunked_tok_s", "chunk_ms", "chunked_peak_gib",
             "decode_context", "decode_ms", "decode_tok_s", "decode_peak_gib",
             "oneshot_status", "oneshot_ms", "oneshot_tok_s", "oneshot_peak_gib",
-            "logits_max_abs_diff", "logits_max_rel_diff", "params_gib")
+            "logits_max_abs_diff", "logits_max_rel_diff", "params_gib", "oneshot_profile")
+# Kernel families of a CUPTI profile, by name (first match): the Pallas ops, the matmuls (projections and the
+# experts' grouped matmul), and the rest (XLA fusions: norms, routing, casts, layout copies, the cache writes).
+KERNEL_FAMILIES = (("pallas", ("mosaic",)), ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cudnn", "cublas")))
 
 
 def peak_gib(mesh: jax.sharding.Mesh) -> float | None:
@@ -184,6 +194,10 @@ def run_length(step: steps.ModelStep, cfg: k3jax.K3Config, mesh: jax.sharding.Me
           samples.append((time.perf_counter() - t0) * 1e3)
           log(f"L={L} one-shot rep {rep + 1}/{args.reps}: {samples[-1]:,.1f} ms")
         row.update(oneshot_ms=float(np.median(samples)))
+        if args.profile:  # the step donates the cache: keep the one it returns
+          prof, (_, cache) = profile(lambda c=restart(cache): step.prefill(tokens, cu, c, last_only=True))
+          row.update(oneshot_profile=prof)
+          log(f"L={L} one-shot profile: {row['oneshot_profile']}")
     except Exception as e:  # e.g. out of memory with --experts given: keep the other mode's numbers
       row[f"{mode}_status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
       log(f"L={L} {mode}: {row[f'{mode}_status']}")
@@ -203,6 +217,29 @@ def run_length(step: steps.ModelStep, cfg: k3jax.K3Config, mesh: jax.sharding.Me
     row.update(logits_max_abs_diff=float(diff.max()),
                logits_max_rel_diff=float(diff.max() / np.abs(last["oneshot"]).max()))
   return row
+
+
+def profile(run) -> tuple[dict, object]:
+  """Wall ms and CUPTI kernel ms (total and per ``KERNEL_FAMILIES``) of one ``run()`` (waited for); the
+  costliest kernels outside the op families, and the wall time over the op families' sum. Returns them and
+  what ``run()`` returned."""
+  from benchmarks._harness import cupti_kernels
+  with cupti_kernels() as records:
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(run())
+    wall = (time.perf_counter() - t0) * 1e3
+  family = {name: 0.0 for name, _ in KERNEL_FAMILIES} | {"other": 0.0}
+  other: dict[str, float] = {}
+  for kernel, ms in records:
+    low = kernel.lower()
+    name = next((n for n, keys in KERNEL_FAMILIES if any(k in low for k in keys)), "other")
+    family[name] += ms
+    if name == "other":
+      other[kernel] = other.get(kernel, 0.0) + ms
+  ops = family["pallas"] + family["matmul"]
+  return dict(wall_ms=wall, kernel_ms=sum(family.values()), family_ms=family,
+              top_other=sorted(other.items(), key=lambda kv: -kv[1])[:5],
+              wall_over_ops=wall / ops if ops else None), out
 
 
 def decode(step: steps.ModelStep, cache, feed: np.ndarray, put, args: argparse.Namespace, L: int,
@@ -235,6 +272,11 @@ def print_table(rows: list[dict]) -> None:
     if r.get("decode_ms") is not None:
       print(f"{r['prompt_len']:7d} {'decode':>8} {r['decode_ms']:11.2f} {r['decode_tok_s']:9,.1f} "
             f"{num(r['decode_peak_gib'], '.2f'):>8}  ms/step at context {r['decode_context']}", flush=True)
+    prof = r.get("oneshot_profile")
+    if prof:
+      fam = ", ".join(f"{k} {v:,.1f}" for k, v in prof["family_ms"].items())
+      print(f"{r['prompt_len']:7d} one-shot profile: wall {prof['wall_ms']:,.1f} ms, kernels {prof['kernel_ms']:,.1f} "
+            f"ms ({fam}); wall / (pallas + matmul) = {prof['wall_over_ops']:.2f}", flush=True)
     if r.get("logits_max_abs_diff") is not None:
       print(f"{r['prompt_len']:7d} final-token logits one-shot vs chunked: max |diff| "
             f"{r['logits_max_abs_diff']:.3e} ({r['logits_max_rel_diff']:.2e} of the largest logit)", flush=True)
@@ -252,6 +294,8 @@ def _parser() -> argparse.ArgumentParser:
   add("--warmup", type=int, default=1, help="untimed decode steps first (>= 1: the first compiles)")
   add("--reps", type=int, default=1, help="timed prefills per mode (median)")
   add("--devices", type=int, default=1, help="devices of the mesh: the first n")
+  add("--profile", action="store_true", help="one more one-shot prefill under CUPTI: kernel time per family and "
+      "the wall time over the ops' (GPU only)")
   add_block_options(parser, experts="the most that fit every mode, sharded_block")
   add("--json", help="append one JSON line per prompt length to this file")
   return parser
@@ -297,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
   mesh, options = sharded_block.mesh_and_options(args)
   platform = mesh.devices.flat[0].platform
+  if args.profile and (platform != "gpu" or not args.one_shot):
+    raise NotImplementedError(f"--profile profiles the one-shot prefill on a GPU (CUPTI), got {platform} with "
+                              f"one-shot {args.one_shot}")
   cfg = sharded_block.block_config(args)
   skipped = {}
   if args.experts is None and not args.tiny and mesh.devices.flat[0].memory_stats():

@@ -2,10 +2,12 @@
 sizes (f32, impl xla)."""
 
 import argparse
+import contextlib
 import json
 import pathlib
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,7 +17,7 @@ _ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
-from benchmarks import long_prompt, mla_prefill, prefix_cache  # noqa: E402
+from benchmarks import _harness, long_prompt, mla_prefill, prefix_cache  # noqa: E402
 
 
 def test_mla_prefill_smoke(tmp_path, capsys):
@@ -100,3 +102,26 @@ def test_prefix_cache_hit_matches_the_uncached_prefill(tmp_path, capsys):
   assert row["memory_kimi_k3_bf16_state"]["recurrent_bytes"] * 2 == k3["recurrent_bytes"]
   assert "command: python3 benchmarks/prefix_cache.py --tiny" in out and "device: " in out
   assert "tokens skipped" in out and "overhead" in out
+
+
+def test_long_prompt_profile_sorts_kernels_into_families(monkeypatch):
+  fake = [("anonymous_mosaic_gpu_kernel", 5.0), ("nvjet_hsh_128x256_64x4", 3.0), ("loop_add_fusion", 1.0),
+          ("input_transpose_fusion", 0.25), ("loop_add_fusion", 0.5), ("cutlass_80_tensorop_gemm", 2.0)]
+
+  @contextlib.contextmanager
+  def cupti():
+    records = []
+    yield records
+    records.extend(fake)
+
+  monkeypatch.setattr(_harness, "cupti_kernels", cupti)
+  prof, out = long_prompt.profile(lambda: jnp.ones(3))
+  assert (np.asarray(out) == 1).all()
+  assert prof["family_ms"] == {"pallas": 5.0, "matmul": 5.0, "other": 1.75} and prof["kernel_ms"] == 11.75
+  assert prof["top_other"] == [("loop_add_fusion", 1.5), ("input_transpose_fusion", 0.25)]
+  assert prof["wall_over_ops"] == prof["wall_ms"] / 10.0
+
+
+def test_long_prompt_profile_needs_a_gpu():
+  with pytest.raises(NotImplementedError, match="--profile"):
+    long_prompt.main(["--tiny", "--dtype", "float32", "--profile", "--watchdog", "0"])
