@@ -67,7 +67,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3jax
-from benchmarks import sharded_block
+from benchmarks import _harness, sharded_block
 from benchmarks.sharded_block import log
 from k3jax import demo, steps
 
@@ -223,8 +223,7 @@ def profile(run) -> tuple[dict, object]:
   """Wall ms and CUPTI kernel ms (total and per ``KERNEL_FAMILIES``) of one ``run()`` (waited for); the
   costliest kernels outside the op families, and the wall time over the op families' sum. Returns them and
   what ``run()`` returned."""
-  from benchmarks._harness import cupti_kernels
-  with cupti_kernels() as records:
+  with _harness.cupti_kernels() as records:
     t0 = time.perf_counter()
     out = jax.block_until_ready(run())
     wall = (time.perf_counter() - t0) * 1e3
@@ -276,7 +275,7 @@ def print_table(rows: list[dict]) -> None:
     if prof:
       fam = ", ".join(f"{k} {v:,.1f}" for k, v in prof["family_ms"].items())
       print(f"{r['prompt_len']:7d} one-shot profile: wall {prof['wall_ms']:,.1f} ms, kernels {prof['kernel_ms']:,.1f} "
-            f"ms ({fam}); wall / (pallas + matmul) = {prof['wall_over_ops']:.2f}", flush=True)
+            f"ms ({fam}); wall / (pallas + matmul) = {num(prof['wall_over_ops'], '.2f')}", flush=True)
     if r.get("logits_max_abs_diff") is not None:
       print(f"{r['prompt_len']:7d} final-token logits one-shot vs chunked: max |diff| "
             f"{r['logits_max_abs_diff']:.3e} ({r['logits_max_rel_diff']:.2e} of the largest logit)", flush=True)
