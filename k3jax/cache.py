@@ -4,7 +4,9 @@ Layout (one ``ModelCache`` for the whole model; ``N`` sequences, ``P`` pool slot
 
 * per KDA layer, ``KdaState``: ``recurrent [P, H, V, K]`` in ``state_dtype`` (V-first, as the KDA ops) and
   ``conv_q`` / ``conv_k`` / ``conv_v [P, W - 1, H*K]`` in ``conv_dtype`` (the last ``W - 1`` pre-conv rows).
-* per MLA layer, ``kv [pages, 64, R + dr]`` in ``cache_dtype``: row = ``[kv_a_layernorm(c) | k_pe]``.
+* per MLA layer, ``kv [pages, 64, R + dr]`` in ``cache_dtype``: row = ``[kv_a_layernorm(c) | k_pe]``
+  (``[pages, 64, R + dr + 16]`` for an fp8 cache: the row's scales follow its values, see
+  ``pallas_kernels.mla.cache_format``).
 * shared: ``state_indices [N]`` (pool slot of each sequence; -1: an idle row that decode skips),
   ``block_table [N, max_pages]`` (page ids of each sequence), ``seq_lens [N]`` (tokens cached per sequence).
 
@@ -232,7 +234,7 @@ def init_cache(cfg: K3Config, num_seqs: int, max_seq_len: int, *, num_slots: int
       KdaState(recurrent=full((p, h, k, k), cfg.state_dtype),
                **{name: full((p, w - 1, h * k), cfg.conv_dtype) for name in ("conv_q", "conv_k", "conv_v")})
       for t in cfg.layer_types if t == KDA)
-  mla = tuple(full((pages.num, PAGE_SIZE, cfg.kv_lora_rank + cfg.qk_rope_head_dim), cfg.cache_dtype)
+  mla = tuple(full((pages.num, PAGE_SIZE, cfg.cache_row_width), cfg.cache_dtype)
               for t in cfg.layer_types if t != KDA)
   return ModelCache(kda=kda, mla=mla, state_indices=jnp.asarray(state_indices),
                     block_table=jnp.asarray(block_table), seq_lens=jnp.zeros((num_seqs,), jnp.int32))

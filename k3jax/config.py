@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import KdaConfig, MlaDecodeConfig, MlaPrefillConfig, ShortConvConfig
 from pallas_kernels import util
+from pallas_kernels.mla import cache_format
 from pallas_kernels.mla import config as mla_config
 from pallas_kernels.mla_prefill import kernel as mla_prefill_kernel
 from pallas_kernels.mla.config import LATENT_DIM, ROPE_DIM
@@ -98,7 +99,8 @@ class K3Config:
     dtype: activation/compute dtype. param_dtype: weight storage dtype (router, ``A_log``,
       ``dt_bias`` are always f32).
     state_dtype: KDA recurrent state pool dtype. partial_dtype: MLA split-K partials dtype.
-    cache_dtype: MLA latent cache dtype. conv_dtype: KDA conv state dtype.
+    cache_dtype: MLA latent cache dtype: f32, bf16, or ``float8_e4m3fn`` with per-token scales kept in each row
+      (``pallas_kernels.mla.cache_format``; impl "xla" only for now). conv_dtype: KDA conv state dtype.
     impl: kernel backend of the ops ("xla", "pallas", "interpret").
   """
 
@@ -149,9 +151,14 @@ class K3Config:
   impl: str = dataclasses.field(default_factory=util.default_impl)
 
   def __post_init__(self):
-    for name in ("dtype", "param_dtype", "state_dtype", "partial_dtype", "cache_dtype", "conv_dtype"):
+    for name in ("dtype", "param_dtype", "state_dtype", "partial_dtype", "conv_dtype"):
       object.__setattr__(self, name, util.canonical_dtype(name, getattr(self, name), _FLOAT))
+    object.__setattr__(self, "cache_dtype", util.canonical_dtype("cache_dtype", self.cache_dtype,
+                                                                 _FLOAT + (cache_format.FP8,)))
     object.__setattr__(self, "impl", util.canonical_impl(self.impl))
+    if cache_format.is_fp8(self.cache_dtype) and self.impl != "xla":
+      raise NotImplementedError(f"cache_dtype float8_e4m3fn runs with impl='xla' only for now (the Mosaic GPU "
+                                f"MLA decode kernel reads bf16 caches), got impl={self.impl!r}")
     object.__setattr__(self, "layer_types", tuple(self.layer_types))
     positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kda_num_heads",
@@ -229,6 +236,11 @@ class K3Config:
 
   def kda_op_config(self) -> KdaConfig:
     return KdaConfig(lower_bound=self.gate_lower_bound, state_dtype=self.state_dtype, impl=self.impl)
+
+  @property
+  def cache_row_width(self) -> int:
+    """Elements of one MLA cache row: ``R + dr``, plus the scales' 16 for an fp8 cache."""
+    return cache_format.row_width(self.kv_lora_rank + self.qk_rope_head_dim, self.cache_dtype)
 
   def mla_op_config(self) -> MlaDecodeConfig:
     return MlaDecodeConfig(scale=self.mla_scale, partial_dtype=self.partial_dtype, impl=self.impl)

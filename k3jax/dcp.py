@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from k3jax import sharding
 from pallas_kernels import util
 from pallas_kernels import mla as mla_ops
-from pallas_kernels.mla import MlaDecodeConfig, merge_partials
+from pallas_kernels.mla import MlaDecodeConfig, cache_format, merge_partials
 from pallas_kernels.mla import reference as mla_reference
 from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE
 
@@ -153,7 +153,17 @@ def _local_place(kv, block_table, seq_ids, positions, *, n, rank):
   return page, local % page_rows, mine
 
 
+def check_row_dtype(kv_cache: jax.Array, kv_new: jax.Array) -> None:
+  """Raises ``ValueError`` unless ``kv_new`` can be cast into ``kv_cache``'s rows: fp8 rows exactly for an fp8
+  cache (a float row cast to fp8 would lose its scales; ``cache_format.quantize_rows`` makes the rows)."""
+  util.check_dtype("kv_new", kv_new, cache_format.CACHE_DTYPES)
+  if cache_format.is_fp8(kv_new.dtype) != cache_format.is_fp8(kv_cache.dtype):
+    raise ValueError(f"kv_new must be fp8 rows (cache_format.quantize_rows) exactly when kv_cache is fp8, got "
+                     f"kv_new {jnp.dtype(kv_new.dtype).name} and kv_cache {jnp.dtype(kv_cache.dtype).name}")
+
+
 def write_local(kv, block_table, seq_ids, positions, kv_new, *, n, rank):
+  check_row_dtype(kv, kv_new)
   page, row, mine = _local_place(kv, block_table, seq_ids, positions, n=n, rank=rank)
   # Tokens owned elsewhere get an out-of-range page and are dropped by the scatter.
   return kv.at[jnp.where(mine, page, kv.shape[0]), row].set(kv_new.astype(kv.dtype), mode="drop")
@@ -195,7 +205,8 @@ def dcp_write(kv_cache: jax.Array, block_table: jax.Array, seq_ids: jax.Array, p
     block_table: ``[B, max_pages]`` int32 local page ids, the same on every device.
     seq_ids: ``[T]`` int32 sequence (block-table row) of each token; -1 skips the token.
     positions: ``[T]`` int32 global position of each token in its sequence; -1 skips the token.
-    kv_new: ``[T, Dc + Dr]`` latents (``[c_kv | k_pe]``), cast to the cache dtype.
+    kv_new: ``[T, Dc + Dr]`` latents (``[c_kv | k_pe]``), cast to the cache dtype; for an fp8 cache, its rows
+      ``[T, Dc + Dr + 16]`` from ``cache_format.quantize_rows``.
     mesh: the mesh.
 
   Returns:
@@ -208,7 +219,7 @@ def dcp_write(kv_cache: jax.Array, block_table: jax.Array, seq_ids: jax.Array, p
   util.check_dtype("block_table", block_table, (jnp.int32,))
   util.check_dtype("seq_ids", seq_ids, (jnp.int32,))
   util.check_dtype("positions", positions, (jnp.int32,))
-  util.check_dtype("kv_new", kv_new, util.FLOAT_DTYPES)
+  check_row_dtype(kv_cache, kv_new)
   if kv_cache.ndim != 3 or block_table.ndim != 2 or seq_ids.ndim != 1:
     raise ValueError(f"kv_cache must be (pages, page_size, D), block_table (B, max_pages) and seq_ids (T,), "
                      f"got {tuple(kv_cache.shape)}, {tuple(block_table.shape)} and {tuple(seq_ids.shape)}")

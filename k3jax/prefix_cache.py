@@ -493,5 +493,5 @@ def memory_report(cfg: K3Config, interval: int, state_dtype=None) -> MemoryRepor
   return MemoryReport(
       interval=interval, recurrent_bytes=kda * h * k * k * state,
       conv_bytes=kda * 3 * (w - 1) * h * k * jnp.dtype(cfg.conv_dtype).itemsize,
-      page_bytes_per_token=cfg.layer_types.count(MLA) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+      page_bytes_per_token=cfg.layer_types.count(MLA) * cfg.cache_row_width
       * jnp.dtype(cfg.cache_dtype).itemsize)

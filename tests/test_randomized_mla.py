@@ -6,7 +6,8 @@ the heuristic), both partial dtypes, diffuse to peaky attention (a few rows alig
 whose logits stand far above the rest), and poison (NaN, +-inf or a huge value) in every cache row that is
 no token: the rows past a sequence's end and the pages no table uses. The kernel (``kernel_impl``) is
 compared with the split reference (``impl="xla"``, same splits and partial dtype) and with the float64
-oracle of ``pallas_kernels.testing``. Shapes are small in interpret mode (CPU) and realistic on a Hopper GPU.
+oracle of ``pallas_kernels.testing``; the same batches over an fp8 cache against the oracle of the values its
+rows hold. Shapes are small in interpret mode (CPU) and realistic on a Hopper GPU.
 """
 
 import jax.numpy as jnp
@@ -15,10 +16,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pallas_kernels import util
-from pallas_kernels.mla import MlaDecodeConfig, MlaDecodeTuning, merge_partials, mla_decode
+from pallas_kernels.mla import MlaDecodeConfig, MlaDecodeTuning, cache_format, merge_partials, mla_decode
 from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM
 from pallas_kernels.testing import K3_MLA_SCALE, MLA_PAD_IDS, mla_decode_oracle, mla_merge_oracle
 from support import budget
+from test_mla_fp8_cache import np_decode_rows
 
 ON_GPU = util.is_hopper_gpu()
 # Interpret mode simulates every warpgroup, copy and barrier, so CPU examples stay small: a few sequences of
@@ -150,3 +152,21 @@ def test_merge_partials_matches_oracle(drawn):
   # NaN must stand exactly where the oracle's is (assert_allclose compares NaN only with NaN).
   np.testing.assert_allclose(np.asarray(o.astype(jnp.float32)), o_ref, rtol=MERGE_RTOL[out_dtype], atol=MERGE_ATOL)
   np.testing.assert_allclose(np.asarray(lse), lse_ref, rtol=1e-6, atol=MERGE_LSE_ATOL)
+
+
+@budget(cpu=10, gpu=4)
+@given(drawn=decode_batches())
+def test_mla_decode_over_an_fp8_cache_matches_the_oracle_of_its_values(drawn):
+  """The same batches with the cache (poison included) in fp8 rows: the XLA path (the kernels refuse fp8) is
+  attention over the values the rows hold, decoded by the test's own reading of the row layout."""
+  (q, cache, table, lens), num_splits, partial_dtype = drawn
+  fp8 = cache_format.quantize_rows(cache, cache_format.FP8, LATENT_DIM)
+  o_ref, lse_ref = mla_decode_oracle(q, np_decode_rows(np.asarray(fp8)), table, lens, scale=K3_MLA_SCALE)
+  o, lse = mla_decode(q, fp8, table, lens, config=MlaDecodeConfig(
+      scale=K3_MLA_SCALE, partial_dtype=partial_dtype, impl="xla", tuning=MlaDecodeTuning(num_splits=num_splits)))
+  assert o.shape == q.shape[:2] + (LATENT_DIM,) and o.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+  o, lse = np.asarray(o.astype(jnp.float32), np.float64), np.asarray(lse)
+  live = np.asarray(lens) > 0
+  assert (o[~live] == 0).all() and np.isneginf(lse[~live]).all()
+  assert _row_rel_l2(o[live], o_ref[live]) < O_REL_L2[partial_dtype]
+  np.testing.assert_allclose(lse, lse_ref, atol=LSE_ATOL, rtol=0)

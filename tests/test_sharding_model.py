@@ -15,6 +15,7 @@ from support import fast_jit
 
 from k3jax import cache as cache_lib, model as model_lib, ops, padding, sharding, steps
 from k3jax.config import KDA, PAGE_SIZE, preset
+from pallas_kernels.mla import cache_format
 
 M = sharding.MODEL
 N = 9
@@ -234,6 +235,9 @@ def plain_rows(cache, seq_lens, block_table):
 # change of the attention output, measured 8.5e-3 on logits of 3.6), a state entry may round to the
 # neighbouring bf16 value (one ulp of |state| < 2 is 2^-7), and a cached latent or conv-window entry to its
 # neighbour as above (1.7e-3 on logits).
+# fp8 latent cache, f32 elsewhere: each token's row is quantised from the same f32 latent on its owner device
+# as on one device (the test checks the bytes), so the logits differ only as in the f32 case.
+FP8_ATOL = 2e-5
 DTYPE_CASES = [(jnp.float32, jnp.float32, jnp.float32, 2e-5, 4e-6),
                (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, 2e-2, 2.0 ** -6)]
 
@@ -287,3 +291,17 @@ def check_collectives(cfg, hlo):
   # Prefill attends to cached prefixes the same way: its all-to-alls carry partials of its tokens only.
   assert all(s[::2] == (1, 1) and s[-1] == cfg.kv_lora_rank + lse_width
              for op, _, s in prefill if op == "all-to-all")
+
+
+def test_sharded_step_with_an_fp8_cache_matches_single_device(tiny):
+  """The fp8 latent rows (values and their scales) are written to and read from each token's owner device."""
+  model = padding.rebuild(tiny, tiny.cfg.replace(cache_dtype=cache_format.FP8))
+  sharded, single, placed, mesh, _ = run_sharded_and_single(model)
+  for (logits, _), (ref_logits, _) in zip(sharded, single):
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), rtol=0, atol=FP8_ATOL)
+  cache, ref_cache = sharded[-1][1], single[-1][1]
+  assert cache.mla[0].dtype == cache_format.FP8 and cache.mla[0].shape[-1] == placed.cfg.cache_row_width
+  lens = np.asarray(ref_cache.seq_lens).tolist()
+  rows = relayout_dcp(np.asarray(cache.mla[0]).view(np.uint8), N, lens, np.asarray(cache.block_table))
+  ref_rows = plain_rows(np.asarray(ref_cache.mla[0]).view(np.uint8), lens, np.asarray(ref_cache.block_table))
+  np.testing.assert_array_equal(rows, ref_rows)

@@ -29,6 +29,7 @@ from flax import nnx
 from k3jax import dcp, nn_util, ops
 from k3jax.config import PAGE_SIZE, K3Config
 from k3jax.layers.norms import RMSNorm
+from pallas_kernels.mla import cache_format
 
 
 class KvBProj(nnx.Module):
@@ -73,11 +74,12 @@ class MlaLayer(nnx.Module):
     return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
   def _latent(self, x: jax.Array) -> jax.Array:
-    """Cache rows ``[c | k_pe]`` ``[M, R + dr]`` in ``cfg.cache_dtype``."""
+    """Cache rows of ``[c | k_pe]``: ``[M, cfg.cache_row_width]`` in ``cfg.cache_dtype`` (fp8 rows carry their
+    scales, ``cache_format``)."""
     r = self.cfg.kv_lora_rank
     a = self.kv_a_proj_with_mqa(x)
     c = self.kv_a_layernorm(a[:, :r])
-    return jnp.concatenate([c, a[:, r:]], axis=-1).astype(self.cfg.cache_dtype)
+    return cache_format.quantize_rows(jnp.concatenate([c, a[:, r:]], axis=-1), self.cfg.cache_dtype, r)
 
   def _output(self, x: jax.Array, o: jax.Array) -> jax.Array:
     """Optional sigmoid output gate (f32) on ``o [M, H, dv]``, then ``o_proj``."""
@@ -133,7 +135,7 @@ class MlaLayer(nnx.Module):
     tokens (the same latent, rounded to the cache dtype), and the new tokens are its last queries.
 
     Args:
-      x: ``[T, D]`` normalised hidden states. kv_cache: ``[pages, 64, R + dr]``.
+      x: ``[T, D]`` normalised hidden states. kv_cache: ``[pages, 64, cfg.cache_row_width]``.
       seq: ``[T]`` int32 sequence of each token, non-decreasing (tokens packed sequence by sequence).
       pos: ``[T]`` int32 position of each token in its sequence (consecutive within a sequence).
       block_table: ``[N, max_pages]`` int32.
@@ -162,7 +164,7 @@ class MlaLayer(nnx.Module):
       lat, cu_k = self._keys(kv_cache, block_table, cu_seqlens, prefix_lens, x.shape[0] + prefix_rows)
     else:
       lat, cu_k = rows, None
-    lat = lat.astype(cfg.dtype)
+    lat = cache_format.dequantize_rows(lat, r).astype(cfg.dtype)
     w_uk, w_uv = self._weights()
     k_nope = jnp.einsum("tr,rhd->thd", lat[:, :r], w_uk, preferred_element_type=jnp.float32).astype(cfg.dtype)
     v = jnp.einsum("tr,rhd->thd", lat[:, :r], w_uv, preferred_element_type=jnp.float32).astype(cfg.dtype)
@@ -177,7 +179,7 @@ class MlaLayer(nnx.Module):
     """Absorbed decode of one new token per sequence at position ``seq_lens[n]``.
 
     Args:
-      x: ``[N, D]``. kv_cache: ``[pages, 64, R + dr]``. block_table: ``[N, max_pages]`` int32.
+      x: ``[N, D]``. kv_cache: ``[pages, 64, cfg.cache_row_width]``. block_table: ``[N, max_pages]`` int32.
       seq_lens: ``[N]`` int32 tokens cached before this step.
       active: ``[N]`` bool or None (all): an inactive row writes nothing and attends to nothing (its output is
         then meaningless; the model masks its logits).

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import util
+from pallas_kernels.mla import cache_format
 from pallas_kernels.mla.config import LATENT_DIM
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -35,7 +36,7 @@ def validate_decode_inputs(q_abs: jax.Array, kv_cache: jax.Array, block_table: j
   if not isinstance(scale, numbers.Real) or not np.isfinite(scale) or scale <= 0:
     raise ValueError(f"scale must be a finite positive real number, got {scale!r}")
   util.check_dtype("q_abs", q_abs, util.FLOAT_DTYPES)
-  util.check_dtype("kv_cache", kv_cache, util.FLOAT_DTYPES)
+  util.check_dtype("kv_cache", kv_cache, cache_format.CACHE_DTYPES)
   util.check_dtype("block_table", block_table, (jnp.int32,))
   util.check_dtype("seq_lens", seq_lens, util.INT_DTYPES)
   if q_abs.ndim != 3:
@@ -43,7 +44,7 @@ def validate_decode_inputs(q_abs: jax.Array, kv_cache: jax.Array, block_table: j
   batch, _, dim = q_abs.shape
   if dim <= latent_dim:
     raise ValueError(f"q_abs last dim must be Dc + Dr with Dc = {latent_dim} and Dr >= 1, got {dim}")
-  util.check_shape("kv_cache", kv_cache, (None, page_size, dim))
+  util.check_shape("kv_cache", kv_cache, (None, page_size, cache_format.row_width(dim, kv_cache.dtype)))
   util.check_shape("block_table", block_table, (batch, None))
   util.check_shape("seq_lens", seq_lens, (batch,))
   num_pages, page_rows = kv_cache.shape[:2]
@@ -65,13 +66,14 @@ def validate_decode_inputs(q_abs: jax.Array, kv_cache: jax.Array, block_table: j
     raise ValueError(f"block_table[{b}, {p}] = {table[b, p]} is a used page and must lie in [0, {num_pages})")
 
 
-def _gather_pages(kv_cache: jax.Array, block_table: jax.Array,
-                  seq_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _gather_pages(kv_cache: jax.Array, block_table: jax.Array, seq_lens: jax.Array,
+                  latent_dim: int) -> tuple[jax.Array, jax.Array]:
   """Tokens of the pages of ``block_table`` and which of them exist (``seq_lens`` counts from its first page).
 
   Returns:
-    ``kv [B, P * page_size, D]`` in the cache dtype and ``valid [B, P * page_size]`` bool. The ids of
-    unused pages are replaced by 0 first, so arbitrary padding ids in the table are never dereferenced.
+    ``kv [B, P * page_size, D]`` in the cache dtype (f32 ``value * scale`` for an fp8 cache) and ``valid
+    [B, P * page_size]`` bool. The ids of unused pages are replaced by 0 first, so arbitrary padding ids in
+    the table are never dereferenced.
   """
   page_size = kv_cache.shape[1]
   pages = block_table.shape[1]
@@ -79,6 +81,7 @@ def _gather_pages(kv_cache: jax.Array, block_table: jax.Array,
   valid = token.reshape(-1)[None, :] < seq_lens[:, None]
   page_used = valid.reshape(-1, pages, page_size)[:, :, 0]
   kv = kv_cache[jnp.where(page_used, block_table, 0)]
+  kv = cache_format.dequantize_rows(kv, latent_dim)
   return kv.reshape(kv.shape[0], pages * page_size, kv.shape[-1]), valid
 
 
@@ -120,7 +123,9 @@ def mla_decode_reference(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax
 
   Args:
     q_abs: ``[B, Hq, Dc + Dr]`` absorbed queries (f32/bf16/f16).
-    kv_cache: ``[pages, page_size, Dc + Dr]`` paged latent cache (any page size here; the public op needs 64).
+    kv_cache: ``[pages, page_size, Dc + Dr]`` paged latent cache (any page size here; the public op needs 64),
+      f32/bf16/f16, or ``[pages, page_size, Dc + Dr + 16]`` ``float8_e4m3fn`` rows with their scales
+      (``cache_format``).
     block_table: ``[B, max_pages]`` int32 page ids; entries past a sequence's last page are ignored.
     seq_lens: ``[B]`` int32 tokens per sequence, in ``[0, max_pages * page_size]``.
     scale: softmax scale on the logits ``q_abs . kv``.
@@ -136,7 +141,7 @@ def mla_decode_reference(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax
 
 @functools.partial(jax.jit, static_argnames=("scale", "latent_dim"))
 def _unsplit_reference(q_abs, kv_cache, block_table, seq_lens, *, scale, latent_dim):
-  kv, valid = _gather_pages(kv_cache, block_table, seq_lens)
+  kv, valid = _gather_pages(kv_cache, block_table, seq_lens, latent_dim)
   o, lse = _attend(q_abs, kv, valid, scale=scale, latent_dim=latent_dim)
   return o.astype(q_abs.dtype), lse
 
@@ -165,7 +170,7 @@ def mla_decode_partials_reference(q_abs: jax.Array, kv_cache: jax.Array, block_t
   first_tokens = jnp.arange(num_splits) * (pps * kv_cache.shape[1])
 
   def one_split(table, first_token):
-    kv, valid = _gather_pages(kv_cache, table, seq_lens - first_token)
+    kv, valid = _gather_pages(kv_cache, table, seq_lens - first_token, latent_dim)
     return _attend(q_abs, kv, valid, scale=scale, latent_dim=latent_dim)
 
   o_parts, lse_parts = jax.vmap(one_split, in_axes=(1, 0))(tables, first_tokens)

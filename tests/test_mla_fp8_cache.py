@@ -1,0 +1,209 @@
+"""The fp8 (e4m3) latent cache: its row format, ``mla_decode`` over it, and the model that writes and reads it.
+
+The op over an fp8 cache must be exact attention over the values its rows hold (``value * scale``), which a
+NumPy decoder of the documented row layout gives independently here; against the rows before quantisation the
+error is e4m3's own (3 mantissa bits: about 2.8% rms per element), bounded below with that reason.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from layer_oracles import tiny
+from test_model import MAX_LEN, T, Runner, tokens_for
+
+from k3jax import ops
+from k3jax.cache import init_cache
+from pallas_kernels.mla import MlaDecodeConfig, MlaDecodeTuning, cache_format, mla_decode
+from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM
+from pallas_kernels.testing import K3_MLA_SCALE, mla_decode_oracle
+
+DIM = LATENT_DIM + ROPE_DIM
+FP8 = cache_format.FP8
+# e4m3: a normal value is within half a unit in the last of 3 mantissa bits (2^-4 relative); below the
+# smallest normal (2^-6, times the scale) the spacing is fixed at 2^-9 (times the scale).
+NORMAL_REL, SUBNORMAL_ABS = 2.0 ** -4, 2.0 ** -10
+# Output of mla_decode over an fp8 cache against the f64 oracle of the rows before quantisation (random
+# rows and queries, diffuse to peaky): V's 2.8% rms element error reaches o unaveraged (the output is a
+# weighted mean of rows whose errors are as independent as the rows), and the keys' error moves the logits.
+FP8_VS_UNQUANTISED_REL_L2 = 0.1
+
+
+def np_decode_rows(rows: np.ndarray) -> np.ndarray:
+  """float64 latent rows of fp8 cache rows, from the documented layout (independent of ``cache_format``)."""
+  values = rows[..., :DIM].astype(np.float64)
+  tail = np.ascontiguousarray(rows[..., DIM:DIM + 8]).view(np.uint8)
+  scales = tail.reshape(tail.shape[:-1] + (2, 4)).copy().view("<f4")[..., 0].astype(np.float64)
+  return np.concatenate([values[..., :LATENT_DIM] * scales[..., :1], values[..., LATENT_DIM:] * scales[..., 1:]],
+                        axis=-1)
+
+
+def _rows(rng, shape, std=1.0):
+  return rng.standard_normal(shape + (DIM,)) * std
+
+
+@pytest.mark.parametrize("std", [1e-3, 1.0, 300.0])
+def test_row_format(std):
+  rng = np.random.default_rng(0)
+  x = _rows(rng, (4, 7), std)
+  x[..., LATENT_DIM:] *= 25.0  # the rope part at another magnitude gets its own scale
+  q = np.asarray(cache_format.quantize_rows(jnp.asarray(x, jnp.float32), FP8, LATENT_DIM))
+  assert q.shape == (4, 7, cache_format.row_width(DIM, FP8)) == (4, 7, DIM + 16) and q.dtype == ml_dtypes.float8_e4m3fn
+  tail = np.ascontiguousarray(q[..., DIM:]).view(np.uint8)
+  assert (tail[..., 8:] == 0).all()
+  scales = tail[..., :8].copy().view("<f4")
+  x32 = x.astype(np.float32)
+  # amax / 448 in f32, to an ulp (XLA may multiply by the reciprocal).
+  np.testing.assert_allclose(scales[..., 0], np.abs(x32[..., :LATENT_DIM]).max(-1) / 448, rtol=2.5e-7, atol=0)
+  np.testing.assert_allclose(scales[..., 1], np.abs(x32[..., LATENT_DIM:]).max(-1) / 448, rtol=2.5e-7, atol=0)
+  assert np.abs(q[..., :DIM].astype(np.float64)).max() <= 448
+  back = np.asarray(cache_format.dequantize_rows(jnp.asarray(q), LATENT_DIM))
+  assert back.dtype == np.float32 and back.shape == x.shape
+  np.testing.assert_allclose(back, np_decode_rows(q), rtol=1e-6, atol=0)
+  s = np.concatenate([np.broadcast_to(scales[..., :1], x.shape[:-1] + (LATENT_DIM,)),
+                      np.broadcast_to(scales[..., 1:], x.shape[:-1] + (ROPE_DIM,))], axis=-1)
+  err = np.abs(back - x32)
+  normal = np.abs(x32) >= 2.0 ** -6 * s
+  assert (err[normal] <= NORMAL_REL * np.abs(x32[normal]) * (1 + 1e-6)).all()
+  assert (err[~normal] <= SUBNORMAL_ABS * s[~normal] * (1 + 1e-6)).all()
+
+
+def test_zero_and_non_finite_parts():
+  x = np.ones((4, DIM), np.float32)
+  x[0] = 0.0
+  x[1, 3] = np.nan
+  x[2, LATENT_DIM + 5] = np.inf
+  x[3, 7] = -np.inf
+  back = np.asarray(cache_format.dequantize_rows(cache_format.quantize_rows(jnp.asarray(x), FP8, LATENT_DIM),
+                                                 LATENT_DIM))
+  assert (back[0] == 0).all()
+  # A non-finite value makes its whole part non-finite (never a finite row that hides it); the other part stays.
+  assert np.isnan(back[1, :LATENT_DIM]).all() and (back[1, LATENT_DIM:] == 1).all()
+  assert not np.isfinite(back[2, LATENT_DIM:]).any() and (back[2, :LATENT_DIM] == 1).all()
+  assert not np.isfinite(back[3, :LATENT_DIM]).any()
+
+
+def test_sixteen_and_thirty_two_bit_rows_are_unchanged():
+  x = jnp.asarray(_rows(np.random.default_rng(1), (3,)), jnp.float32)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    q = cache_format.quantize_rows(x, dtype, LATENT_DIM)
+    assert q.dtype == dtype and q.shape == x.shape and cache_format.row_width(DIM, dtype) == DIM
+    assert cache_format.dequantize_rows(q, LATENT_DIM) is q
+
+
+def _decode_case(rng, lens, heads=8, max_pages=5, peaky=False):
+  pages = len(lens) * max_pages + 2
+  table = rng.permutation(pages)[:len(lens) * max_pages].reshape(len(lens), max_pages).astype(np.int32)
+  q = rng.standard_normal((len(lens), heads, DIM))
+  rows = _rows(rng, (pages, PAGE_SIZE))
+  if peaky:  # token 0 of each sequence aligned with head 0's query: a logit of about 20
+    for b in range(len(lens)):
+      rows[table[b, 0], 0] = q[b, 0] * 20 / (K3_MLA_SCALE * q[b, 0] @ q[b, 0])
+  rows[table.ravel()[-1]] = np.nan  # rows past every sequence's end are poison (the table's last page)
+  return q, rows, table, np.asarray(lens, np.int32)
+
+
+@pytest.mark.parametrize("partial_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("peaky", [False, True])
+def test_mla_decode_over_fp8_rows_is_attention_over_their_values(partial_dtype, peaky):
+  rng = np.random.default_rng(2)
+  q, rows, table, lens = _decode_case(rng, [0, 1, 63, 65, 4 * PAGE_SIZE], peaky=peaky)
+  cache = cache_format.quantize_rows(jnp.asarray(rows, jnp.float32), FP8, LATENT_DIM)
+  q_bf16 = jnp.asarray(q, jnp.bfloat16)
+  config = MlaDecodeConfig(scale=K3_MLA_SCALE, partial_dtype=partial_dtype, impl="xla",
+                           tuning=MlaDecodeTuning(num_splits=3))
+  o, lse = mla_decode(q_bf16, cache, jnp.asarray(table), jnp.asarray(lens), config=config, out_dtype=jnp.float32)
+  assert o.shape == (5, 8, LATENT_DIM) and o.dtype == jnp.float32 and lse.dtype == jnp.float32
+  o, lse = np.asarray(o, np.float64), np.asarray(lse, np.float64)
+  assert (o[0] == 0).all() and np.isneginf(lse[0]).all()
+  # Exact attention over the values the fp8 rows hold: the bf16/f32 tolerances of the 16-bit cache.
+  o_ref, lse_ref = mla_decode_oracle(q_bf16, np_decode_rows(np.asarray(cache)), table, lens, scale=K3_MLA_SCALE)
+  tol = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}[partial_dtype]
+  rel = np.linalg.norm(o[1:] - o_ref[1:], axis=-1) / np.linalg.norm(o_ref[1:], axis=-1)
+  assert rel.max() < tol
+  np.testing.assert_allclose(lse, lse_ref, atol=5e-5, rtol=0)
+  # Against the rows before quantisation: e4m3's own error.
+  o_raw, _ = mla_decode_oracle(q_bf16, rows, table, lens, scale=K3_MLA_SCALE)
+  rel = np.linalg.norm(o[1:] - o_raw[1:], axis=-1) / np.linalg.norm(o_raw[1:], axis=-1)
+  assert rel.max() < FP8_VS_UNQUANTISED_REL_L2
+
+
+@pytest.mark.parametrize("impl", ["interpret", "pallas"])
+def test_kernels_refuse_an_fp8_cache(impl):
+  rng = np.random.default_rng(3)
+  q, rows, table, lens = _decode_case(rng, [5])
+  cache = cache_format.quantize_rows(jnp.asarray(rows, jnp.float32), FP8, LATENT_DIM)
+  with pytest.raises(NotImplementedError, match="bf16"):
+    mla_decode(jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(table), jnp.asarray(lens),
+               config=MlaDecodeConfig(scale=K3_MLA_SCALE, impl=impl))
+
+
+def test_fp8_cache_of_the_wrong_width_is_refused():
+  q = jnp.zeros((1, 4, DIM), jnp.bfloat16)
+  for width in (DIM, DIM + 8):
+    with pytest.raises(ValueError, match="kv_cache"):
+      mla_decode(q, jnp.zeros((2, PAGE_SIZE, width), FP8), jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32),
+                 config=MlaDecodeConfig(scale=K3_MLA_SCALE, impl="xla"))
+
+
+def test_config_takes_an_fp8_cache_with_the_xla_impl_only():
+  cfg = tiny(cache_dtype=FP8, impl="xla")
+  assert cfg.cache_dtype == FP8 and cfg.cache_row_width == DIM + 16
+  assert tiny(impl="xla").cache_row_width == DIM
+  cache = init_cache(cfg, 2, 100)
+  assert all(kv.shape[1:] == (PAGE_SIZE, DIM + 16) and kv.dtype == FP8 for kv in cache.mla)
+  with pytest.raises(NotImplementedError, match="impl='xla'"):
+    tiny(cache_dtype=FP8, impl="pallas")
+  with pytest.raises(ValueError, match="cache_dtype"):
+    tiny(cache_dtype=jnp.float8_e5m2, impl="xla")
+
+
+_FP8_RUNNER = {}
+
+
+def fp8_runner():
+  if not _FP8_RUNNER:
+    _FP8_RUNNER["r"] = Runner(tiny(cache_dtype=FP8, impl="xla"))
+  return _FP8_RUNNER["r"]
+
+
+def test_model_with_an_fp8_cache():
+  """Chunked prefill and decode read the same fp8 rows a one-shot prefill attends to (f32 elsewhere: only
+  summation orders differ); against an f32 cache the logits move by e4m3's rounding of the latent."""
+  r = fp8_runner()
+  toks = tokens_for(r.cfg, 2)
+  full_logits, full_cache = r.prefill(toks, [9, 5, T - 14], r.cache())
+  assert all(kv.dtype == FP8 for kv in full_cache.mla)
+  seq0, seq1 = toks[:9], toks[9:14]
+  _, cache = r.prefill(np.concatenate([seq0[:6], seq1[:3], tokens_for(r.cfg, 8, T - 9)]), [6, 3, T - 9],
+                       r.cache())
+  logits, cache = r.prefill(np.concatenate([seq0[6:8], seq1[3:4], tokens_for(r.cfg, 9, T - 3)]), [2, 1, T - 3],
+                            cache)
+  np.testing.assert_allclose(np.asarray(logits[:2]), np.asarray(full_logits[6:8]), atol=2e-4, rtol=2e-4)
+  np.testing.assert_allclose(np.asarray(logits[2]), np.asarray(full_logits[12]), atol=2e-4, rtol=2e-4)
+  step, _ = r.decode([seq0[8], seq1[4], 7], cache)
+  np.testing.assert_allclose(np.asarray(step[0]), np.asarray(full_logits[8]), atol=2e-4, rtol=2e-4)
+  np.testing.assert_allclose(np.asarray(step[1]), np.asarray(full_logits[13]), atol=2e-4, rtol=2e-4)
+  f32 = Runner(r.cfg.replace(cache_dtype=jnp.float32))
+  f32.state = r.state  # the same weights
+  ref_logits, _ = f32.prefill(toks, [9, 5, T - 14], f32.cache())
+  ref = np.asarray(ref_logits)
+  diff = np.abs(np.asarray(full_logits) - ref).max(axis=-1)
+  # Most rows move by about the latent's 2.7% rounding; a few by far more, where the perturbation flips an
+  # MoE routing choice of this random model (as bf16 caches do, less often): so the median, not the max.
+  assert 0 < np.median(diff) < 0.03 * np.abs(ref).max()
+
+
+def test_cache_writes_take_fp8_rows_exactly_for_an_fp8_cache():
+  fp8_cache, f32_cache = jnp.zeros((2, PAGE_SIZE, DIM + 16), FP8), jnp.zeros((2, PAGE_SIZE, DIM), jnp.float32)
+  table, seq, pos = jnp.zeros((1, 2), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32)
+  rows = jnp.ones((1, DIM), jnp.float32)
+  for cache, new in ((fp8_cache, jnp.ones((1, DIM + 16), jnp.float32)),
+                     (f32_cache, cache_format.quantize_rows(rows, FP8, LATENT_DIM))):
+    with pytest.raises(ValueError, match="kv_new must be fp8 rows"):
+      ops.mesh_write_rows(cache, new, table, seq, pos)
+  written = ops.mesh_write_rows(fp8_cache, cache_format.quantize_rows(rows, FP8, LATENT_DIM), table, seq, pos)
+  np.testing.assert_array_equal(np.asarray(cache_format.dequantize_rows(written[0, :1], LATENT_DIM)), rows)
+  assert np.asarray(cache_format.dequantize_rows(written, LATENT_DIM))[:, 1:].max() == 0
