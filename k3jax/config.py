@@ -100,7 +100,7 @@ class K3Config:
       ``dt_bias`` are always f32).
     state_dtype: KDA recurrent state pool dtype. partial_dtype: MLA split-K partials dtype.
     cache_dtype: MLA latent cache dtype: f32, bf16, or ``float8_e4m3fn`` with per-token scales kept in each row
-      (``pallas_kernels.mla.cache_format``; impl "xla" only for now). conv_dtype: KDA conv state dtype.
+      (``pallas_kernels.mla.cache_format``). conv_dtype: KDA conv state dtype.
     impl: kernel backend of the ops ("xla", "pallas", "interpret").
   """
 
@@ -156,9 +156,6 @@ class K3Config:
     object.__setattr__(self, "cache_dtype", util.canonical_dtype("cache_dtype", self.cache_dtype,
                                                                  _FLOAT + (cache_format.FP8,)))
     object.__setattr__(self, "impl", util.canonical_impl(self.impl))
-    if cache_format.is_fp8(self.cache_dtype) and self.impl != "xla":
-      raise NotImplementedError(f"cache_dtype float8_e4m3fn runs with impl='xla' only for now (the Mosaic GPU "
-                                f"MLA decode kernel reads bf16 caches), got impl={self.impl!r}")
     object.__setattr__(self, "layer_types", tuple(self.layer_types))
     positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kda_num_heads",

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import util
-from pallas_kernels.mla import kernel, reference
+from pallas_kernels.mla import cache_format, kernel, reference
 from pallas_kernels.mla.config import HEAD_TILE, LATENT_DIM, PAGE_SIZE, ROPE_DIM, MlaDecodeConfig, MlaDecodeTuning
 
 MIN_PAGES_PER_SPLIT = 16  # below ~1024 tokens a split's partial (o, lse) traffic rivals its KV bytes.
@@ -76,8 +76,8 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
   Args:
     q_abs: ``[B, Hq, Dc + Dr]`` (576 = 512 latent + 64 rope), absorbed queries, f32/bf16/f16
       (the kernels need bf16).
-    kv_cache: ``[pages, 64, Dc + Dr]`` paged latent cache (bf16; the xla path also takes f32/f16, and fp8
-      rows ``[pages, 64, Dc + Dr + 16]`` ``float8_e4m3fn`` with per-token scales, ``cache_format``); V is its
+    kv_cache: ``[pages, 64, Dc + Dr]`` paged latent cache, bf16, or fp8 rows ``[pages, 64, Dc + Dr + 16]``
+      ``float8_e4m3fn`` with per-token scales (``cache_format``); the xla path also takes f32/f16. V is its
       first ``Dc`` columns. Rows past a sequence's length and unused pages may hold anything (NaN too).
     block_table: ``[B, max_pages]`` int32 page ids of each sequence; ids of unused pages are ignored.
     seq_lens: ``[B]`` int32 tokens per sequence, in ``[0, max_pages * 64]`` (0 allowed).
@@ -94,7 +94,7 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
   Raises:
     ValueError: a ``config`` that is no ``MlaDecodeConfig``, malformed shapes, dtypes (``out_dtype`` too) or
       (when concrete) ``seq_lens`` / used page ids out of range.
-    NotImplementedError: the kernels with a q or cache dtype other than bf16.
+    NotImplementedError: the kernels with a q dtype other than bf16, or a cache dtype other than bf16 / fp8.
   """
   if not isinstance(config, MlaDecodeConfig):
     raise ValueError(f"config must be an MlaDecodeConfig, got {config!r}")
@@ -103,9 +103,10 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
   util.check_shape("q_abs", q_abs, (None, None, LATENT_DIM + ROPE_DIM))
   out_dtype = util.canonical_dtype("out_dtype", q_abs.dtype if out_dtype is None else out_dtype,
                                     util.FLOAT_DTYPES)
-  if config.impl != "xla" and (q_abs.dtype != jnp.bfloat16 or kv_cache.dtype != jnp.bfloat16):
-    raise NotImplementedError(f"mla_decode impl={config.impl!r} needs bf16 q_abs and kv_cache, got "
-                              f"{jnp.dtype(q_abs.dtype).name} and {jnp.dtype(kv_cache.dtype).name}")
+  if config.impl != "xla" and (q_abs.dtype != jnp.bfloat16
+                               or jnp.dtype(kv_cache.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(cache_format.FP8))):
+    raise NotImplementedError(f"mla_decode impl={config.impl!r} needs a bf16 q_abs and a bf16 or fp8 kv_cache, "
+                              f"got {jnp.dtype(q_abs.dtype).name} and {jnp.dtype(kv_cache.dtype).name}")
   batch, num_heads, _ = q_abs.shape
   max_pages = block_table.shape[1]
   tuning = config.tuning or MlaDecodeTuning()

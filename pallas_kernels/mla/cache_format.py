@@ -17,7 +17,9 @@ so its width is ``Dc + Dr + 16`` e4m3 elements (``row_width``): 592 for K3's 576
   reads, page sharing between requests) moves them unchanged, and a kernel reads them with the row's values.
   The 16-byte tail keeps rows a multiple of 16 bytes (TMA's row pitch); it costs 2.7% of the row.
 
-Reading a row back gives ``value * scale`` in f32 (``dequantize_rows``). A part with a non-finite value has a
+Reading a row back gives ``value * scale`` rounded to bf16 (``dequantize_rows``): the values the MLA decode
+kernel's bf16 matmuls read, so every reader (the kernel, the XLA path, the model's prefill read-back) attends to
+the same keys; that rounding (2^-9 relative) is small next to e4m3's own (2^-4). A part with a non-finite value has a
 non-finite scale and reads back all NaN (or inf), so a NaN written still reaches the heads that attend to it; an
 all-zero part gets scale 1 (not 0, which would read back 0 / 0).
 """
@@ -72,11 +74,12 @@ def quantize_rows(rows: jax.Array, dtype, latent_dim: int) -> jax.Array:
 
 def dequantize_rows(rows: jax.Array, latent_dim: int) -> jax.Array:
   """Latent rows ``[..., Dc + Dr]`` of cache rows: the rows themselves for a 16/32-bit cache, ``value * scale``
-  in f32 for an fp8 cache (``[..., Dc + Dr + 16]``)."""
+  (in f32, then rounded to bf16) for an fp8 cache (``[..., Dc + Dr + 16]``)."""
   if not is_fp8(rows.dtype):
     return rows
   dim = rows.shape[-1] - TAIL
   tail = jax.lax.bitcast_convert_type(rows[..., dim:dim + 8], jnp.uint8)
   scales = jax.lax.bitcast_convert_type(tail.reshape(tail.shape[:-1] + (2, 4)), jnp.float32)  # [..., 2]
   x = rows[..., :dim].astype(jnp.float32)
-  return jnp.concatenate([x[..., :latent_dim] * scales[..., :1], x[..., latent_dim:] * scales[..., 1:]], axis=-1)
+  return jnp.concatenate([x[..., :latent_dim] * scales[..., :1], x[..., latent_dim:] * scales[..., 1:]],
+                         axis=-1).astype(jnp.bfloat16)

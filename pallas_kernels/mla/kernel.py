@@ -1,8 +1,9 @@
 """Split-K absorbed MLA decode as a Pallas Mosaic GPU kernel (Hopper).
 
-One program per (split, sequence, 64-row head tile), head tiles fastest; a memory warpgroup streams the sequence's pages by TMA
-into a two-slot ring that two compute warpgroups share (QK and the softmax on one, ``P @ V`` split by output
-columns over both). See README.md for the derivation, the NaN rules and the SMEM budget.
+One program per (split, sequence, 64-row head tile), head tiles fastest; a memory warpgroup streams the
+sequence's pages by TMA into a two-slot ring that two compute warpgroups share (QK and the softmax on one,
+``P @ V`` split by output columns over both). An fp8 cache (``cache_format``) is dequantised on chip into a bf16
+tile first. See README.md for the derivation, the NaN rules, the fp8 pages and the SMEM budget.
 """
 
 import functools
@@ -15,6 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_interpret, util
+from pallas_kernels.mla import cache_format
 from pallas_kernels.mla.config import HEAD_TILE, LATENT_DIM, PAGE_SIZE, ROPE_DIM
 from pallas_kernels.mla.reference import pages_per_split
 
@@ -25,14 +27,29 @@ COMPUTE_WGS = 2
 LOG2E = util.LOG2E
 LN2 = math.log(2.0)
 INIT_MAX = -1e30  # finite: exp2(INIT_MAX - m) is 0 and never (-inf) - (-inf)
+# fp8 cache (cache_format): the values of a page land in an fp8 ring slot, its rows' scales as f32 words (the
+# last 8 words of each 148-word row: the scales are words 144 and 145, columns 4 and 5 of that box), and both
+# compute warpgroups dequantise the slot into one bf16 tile, 64 columns at a time (latent chunks 0-7, rope 8).
+FP8_CHUNK = 64
+FP8_TILE_COLS = 16  # divides the 592-byte rows of the source
+FP8_CHUNKS = (tuple(range(5)), tuple(range(5, DIM // FP8_CHUNK)))
+ROW_WORDS = cache_format.row_width(DIM, cache_format.FP8) // 4
+SCALE_WORDS = 8
+SCALE_WORD0 = ROW_WORDS - SCALE_WORDS
+SCALE_COLS = (DIM // 4 - SCALE_WORD0, DIM // 4 + 1 - SCALE_WORD0)
 
 
-def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_smem, row_smem, lse_smem,
-          q_bar, kv_bar, consumed_bar, p_ready_bar, p_free_bar, *, pps: int, out_rows: int, scale: float,
-          smem_operands: bool):
+def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_operands: bool, fp8: bool):
+  if fp8:
+    (words_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, row_smem, lse_smem, q_bar, kv_bar,
+     consumed_bar, p_ready_bar, p_free_bar, tile_ready_bar, tile_free_bar) = refs
+    (raw, scales, kv_tile), p_ring, o_stage = ring
+  else:
+    (table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_smem, row_smem, lse_smem, q_bar, kv_bar, consumed_bar,
+     p_ready_bar, p_free_bar) = refs
+    kv_smem, o_stage = ring
   hb, split, b = lax.axis_index("hb"), lax.axis_index("split"), lax.axis_index("b")
   wg = lax.axis_index("wg")
-  kv_smem, o_stage = ring
   seq_len = lens_ref[b]
   first_page = split * pps
   num_pages = jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps)
@@ -51,12 +68,19 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
       v[...] = jnp.where(token < seq_len - page_start,
                          plgpu.load(v, layout=plgpu.Layout.WGMMA, optimized=False), 0).astype(v.dtype)
 
-  def accumulate(acc, alpha, tile, cols):
+  def p_tile(i):
+    """Where P of page i goes: one buffer (bf16); fp8: the first rows of page i's ring slot, whose values are in
+    the bf16 tile by then (the slot goes back to the memory warpgroup only after ``P @ V``)."""
+    if fp8:
+      return p_ring.at[lax.rem(i, STAGES), pl.ds(0, HEAD_TILE)]
+    return p_smem
+
+  def accumulate(acc, alpha, tile, cols, p_ref):
     """``acc * alpha + P @ V[:, cols]`` with P from SMEM."""
     acc = acc * along_rows(alpha, acc.shape)
 
     def pv(acc_ref):
-      plgpu.wgmma(acc_ref, p_smem, tile.at[:, cols])
+      plgpu.wgmma(acc_ref, p_ref, tile.at[:, cols])
       if smem_operands:
         return acc_ref[...]
 
@@ -75,6 +99,47 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
     split on, once the memory warpgroup had awaited an earlier phase of slot 0).
     """
     pl.when(i + STAGES < num_pages)(lambda: plgpu.barrier_arrive(consumed_bar.at[slot]))
+
+  def dequantize(w, slot, page_start):
+    """fp8: warpgroup w's column chunks of ring slot ``slot`` into ``kv_tile`` as bf16 ``value * scale`` (the
+    latent chunks by the row's latent scale, the rope chunk by its rope scale); rows past ``seq_len`` become 0,
+    which also makes ``P @ V`` NaN-safe there."""
+    shape = (PAGE_SIZE, FP8_CHUNK)
+    col = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, SCALE_WORDS), 1, layout=plgpu.Layout.WGMMA)
+    words = plgpu.load(scales.at[slot], layout=plgpu.Layout.WGMMA, optimized=False)
+    # The scales as row vectors: a masked row max picks one column (and keeps a NaN scale NaN).
+    s_c, s_pe = (jnp.where(col == c, words, -jnp.inf).max(axis=1) for c in SCALE_COLS)
+    valid = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) < seq_len - page_start
+    for c in FP8_CHUNKS[w]:
+      cols = pl.ds(c * FP8_CHUNK, FP8_CHUNK)
+      x = plgpu.load(raw.at[slot, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
+      # e4m3 -> f16 is exact (and the conversion Hopper has); the scale is applied in f32.
+      x = x.astype(jnp.float16).astype(jnp.float32)
+      x = x * along_rows(s_pe if c * FP8_CHUNK >= LATENT_DIM else s_c, shape)
+      kv_tile.at[:, cols][...] = jnp.where(valid, x, 0.0).astype(kv_tile.dtype)
+
+  def acquire(i, w):
+    """Page i's ``[64, 576]`` bf16 tile for warpgroup w's QK / ``P @ V``. bf16: the ring slot itself. fp8: both
+    compute warpgroups dequantise the slot into the one bf16 tile, once the previous page's ``P @ V`` is done
+    with it."""
+    slot = lax.rem(i, STAGES)
+    plgpu.barrier_wait(kv_bar.at[slot])
+    if not fp8:
+      return kv_smem.at[slot]
+    pl.when(i > 0)(lambda: plgpu.barrier_wait(tile_free_bar))
+    dequantize(w, slot, (first_page + i) * PAGE_SIZE)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(tile_ready_bar)
+    plgpu.barrier_wait(tile_ready_bar)
+    return kv_tile
+
+  def done(i):
+    """After a warpgroup's ``P @ V`` of page i: the ring slot goes back to the memory warpgroup (fp8: it held P
+    too), and the fp8 tile may take the next page (an arrival only if a next page awaits it, as in
+    ``release``)."""
+    if fp8:
+      pl.when(i + 1 < num_pages)(lambda: plgpu.barrier_arrive(tile_free_bar))
+    release(i, lax.rem(i, STAGES))
 
   def store_rows(copy):
     """``copy(n)`` stores the first n rows of this head tile: only real heads (rounded up to 8) reach HBM."""
@@ -99,10 +164,8 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
 
     def page_step(i, carry):
       acc, m, l = carry
-      slot = lax.rem(i, STAGES)
-      tile = kv_smem.at[slot]
+      tile = acquire(i, 0)
       page_start = (first_page + i) * PAGE_SIZE
-      plgpu.barrier_wait(kv_bar.at[slot])
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, tile.T)
@@ -120,13 +183,15 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
       def _():
         plgpu.barrier_wait(p_free_bar)  # warpgroup 1 is done with the previous page's P and alpha
 
-      p_smem[...] = p.astype(p_smem.dtype)
+      p_ref = p_tile(i)
+      p_ref[...] = p.astype(p_ref.dtype)
       row_smem[...] = alpha
-      zero_v_tail(tile, cols, page_start)
+      if not fp8:
+        zero_v_tail(tile, cols, page_start)
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready_bar)
-      acc = accumulate(acc, alpha, tile, cols)
-      release(i, slot)
+      acc = accumulate(acc, alpha, tile, cols, p_ref)
+      done(i)
       return acc, m_new, l
 
     acc = plgpu.layout_cast(jnp.zeros((HEAD_TILE, COLS), jnp.float32), plgpu.Layout.WGMMA)
@@ -159,15 +224,14 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
     cols = pl.ds(COLS, COLS)
 
     def page_step(i, acc):
-      slot = lax.rem(i, STAGES)
-      tile = kv_smem.at[slot]
-      plgpu.barrier_wait(kv_bar.at[slot])
-      zero_v_tail(tile, cols, (first_page + i) * PAGE_SIZE)
-      plgpu.commit_smem()
+      tile = acquire(i, 1)
+      if not fp8:
+        zero_v_tail(tile, cols, (first_page + i) * PAGE_SIZE)
+        plgpu.commit_smem()
       plgpu.barrier_wait(p_ready_bar)
-      acc = accumulate(acc, plgpu.load(row_smem, layout=row_layout), tile, cols)
+      acc = accumulate(acc, plgpu.load(row_smem, layout=row_layout), tile, cols, p_tile(i))
       plgpu.barrier_arrive(p_free_bar)
-      release(i, slot)
+      done(i)
       return acc
 
     acc = plgpu.layout_cast(jnp.zeros((HEAD_TILE, COLS), jnp.float32), plgpu.Layout.WGMMA)
@@ -193,7 +257,13 @@ def _body(q_ref, kv_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_sm
       def _():
         plgpu.barrier_wait(consumed_bar.at[slot])
 
-      plgpu.copy_gmem_to_smem(kv_ref.at[table_ref[b, first_page + i]], kv_smem.at[slot], kv_bar.at[slot])
+      page = table_ref[b, first_page + i]
+      if fp8:
+        plgpu.copy_gmem_to_smem(kv_ref.at[page, :, pl.ds(0, DIM)], raw.at[slot], kv_bar.at[slot])
+        plgpu.copy_gmem_to_smem(words_ref.at[page, :, pl.ds(SCALE_WORD0, SCALE_WORDS)], scales.at[slot],
+                                kv_bar.at[slot])
+      else:
+        plgpu.copy_gmem_to_smem(kv_ref.at[page], kv_smem.at[slot], kv_bar.at[slot])
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "partial_dtype", "interpret", "smem_operands"))
@@ -203,12 +273,35 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
   head_blocks = util.cdiv(num_heads, HEAD_TILE)
   out_rows = util.cdiv(num_heads, 8) * 8  # TMA stores whole 8-row groups of the tiled staging buffer
   q_pad = jnp.pad(q_abs, ((0, 0), (0, head_blocks * HEAD_TILE - num_heads), (0, 0)))
-  ring = plgpu.RefUnion(
-      plgpu.SMEM((STAGES, PAGE_SIZE, DIM), kv_cache.dtype, transforms=util.smem_transforms(kv_cache.dtype, DIM)),
-      plgpu.SMEM((COMPUTE_WGS, HEAD_TILE, COLS), partial_dtype, transforms=util.smem_transforms(partial_dtype, COLS)))
+  fp8 = cache_format.is_fp8(kv_cache.dtype)
+  tile_dtype = jnp.bfloat16 if fp8 else kv_cache.dtype
+  tile = lambda shape, dtype: plgpu.SMEM(shape, dtype, transforms=util.smem_transforms(dtype, shape[-1]))
+  o_stage = tile((COMPUTE_WGS, HEAD_TILE, COLS), partial_dtype)
+  inputs, extra_barriers = (q_pad, kv_cache), ()
+  p_smem = (tile((HEAD_TILE, PAGE_SIZE), tile_dtype),)
+  if fp8:
+    # Three groups from the same offset: the fp8 ring (then the scales and the bf16 tile); P of each page in the
+    # first rows of its ring slot (a slot's values are in the tile before P is written, and the slot is reloaded
+    # only after P @ V); the staging of the outputs once the pages are done. A separate P buffer would not fit.
+    # The fp8 slots are tiled (8, 16): a tiled TMA needs the rows of the source (592 here) in whole tiles.
+    ring = plgpu.RefUnion((plgpu.SMEM((STAGES, PAGE_SIZE, DIM), kv_cache.dtype,
+                                      transforms=(plgpu.TilingTransform((8, FP8_TILE_COLS)),)),
+                           plgpu.SMEM((STAGES, PAGE_SIZE, SCALE_WORDS), jnp.float32),
+                           tile((PAGE_SIZE, DIM), tile_dtype)),
+                          tile((STAGES, PAGE_SIZE * DIM // (HEAD_TILE * 2), HEAD_TILE), tile_dtype),
+                          o_stage)
+    p_smem = ()
+    # The same bytes as f32 words (a bitcast, no copy): the memory warpgroup loads the scales from there.
+    words = lax.bitcast_convert_type(kv_cache.reshape(kv_cache.shape[:2] + (ROW_WORDS, 4)), jnp.float32)
+    inputs += (words,)
+    kv_bar = plgpu.Barrier(num_arrivals=2, num_barriers=STAGES)  # values, scales
+    extra_barriers = (plgpu.Barrier(num_arrivals=COMPUTE_WGS), plgpu.Barrier(num_arrivals=COMPUTE_WGS))  # tile
+  else:
+    ring = plgpu.RefUnion(tile((STAGES, PAGE_SIZE, DIM), kv_cache.dtype), o_stage)
+    kv_bar = plgpu.Barrier(num_barriers=STAGES)
   kernel = plgpu.kernel(
       functools.partial(_body, pps=pages_per_split(block_table.shape[1], num_splits), out_rows=out_rows,
-                        scale=scale, smem_operands=smem_operands),
+                        scale=scale, smem_operands=smem_operands, fp8=fp8),
       out_type=(jax.ShapeDtypeStruct((num_splits, batch, out_rows, LATENT_DIM), partial_dtype),
                 jax.ShapeDtypeStruct((num_splits, batch, out_rows), jnp.float32)),
       # Row-major: the last grid axis is the fastest (Mosaic GPU maps it to CUDA's x, dispatched first), so the
@@ -218,22 +311,21 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
       scratch_types=(
-          plgpu.SMEM((HEAD_TILE, dim), q_abs.dtype, transforms=util.smem_transforms(q_abs.dtype, dim)),
+          tile((HEAD_TILE, dim), q_abs.dtype),
           ring,
-          plgpu.SMEM((HEAD_TILE, PAGE_SIZE), kv_cache.dtype,
-                     transforms=util.smem_transforms(kv_cache.dtype, PAGE_SIZE)),
+          *p_smem,
           plgpu.SMEM((HEAD_TILE,), jnp.float32),
           plgpu.SMEM((HEAD_TILE,), jnp.float32),
           plgpu.Barrier(),
-          plgpu.Barrier(num_barriers=STAGES),
+          kv_bar,
           plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES),
           plgpu.Barrier(),
           plgpu.Barrier(),
-      ),
+      ) + extra_barriers,
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
   )
   with mosaic_interpret.interpret_mode(interpret):
-    o_parts, lse_parts = kernel(q_pad, kv_cache, block_table, seq_lens)
+    o_parts, lse_parts = kernel(*inputs, block_table, seq_lens)
   return o_parts[:, :, :num_heads], lse_parts[:, :, :num_heads]
 
 
@@ -245,7 +337,8 @@ def mla_decode_partials_mosaic(q_abs: jax.Array, kv_cache: jax.Array, block_tabl
 
   Args:
     q_abs: ``[B, Hq, 576]`` bf16 (Hq is padded to a multiple of 64 rows inside; any Hq >= 1).
-    kv_cache: ``[pages, 64, 576]`` bf16. block_table: ``[B, max_pages]`` int32. seq_lens: ``[B]`` int32.
+    kv_cache: ``[pages, 64, 576]`` bf16, or ``[pages, 64, 592]`` fp8 rows with their scales (``cache_format``:
+      dequantised on chip into a bf16 tile). block_table: ``[B, max_pages]`` int32. seq_lens: ``[B]`` int32.
       Already validated by ``mla_decode``.
     scale: softmax scale. num_splits: splits S (each ``pages_per_split`` pages). partial_dtype: bf16/f32.
     interpret: run in Mosaic GPU interpret mode (CPU).

@@ -71,7 +71,7 @@ def _gather_pages(kv_cache: jax.Array, block_table: jax.Array, seq_lens: jax.Arr
   """Tokens of the pages of ``block_table`` and which of them exist (``seq_lens`` counts from its first page).
 
   Returns:
-    ``kv [B, P * page_size, D]`` in the cache dtype (f32 ``value * scale`` for an fp8 cache) and ``valid
+    ``kv [B, P * page_size, D]`` in the cache dtype (bf16 ``value * scale`` for an fp8 cache) and ``valid
     [B, P * page_size]`` bool. The ids of unused pages are replaced by 0 first, so arbitrary padding ids in
     the table are never dereferenced.
   """
