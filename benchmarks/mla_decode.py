@@ -16,6 +16,12 @@ Printed as ``-`` where CUPTI is not available (interpret mode on a CPU).
 
 ``TFLOP/s`` counts ``2 * B * Hq * context * (576 + 512)`` FLOPs per call (QK^T over 576, PV over 512).
 
+``--cache-dtypes bfloat16 float8_e4m3fn`` also times an fp8 cache (``cache_format``: 592 bytes per token, the
+same random values quantised page block by page block) with the same pages, q and lengths: its bandwidth counts
+its own bytes (``B * context * 592``), ``vs bf16`` is the bf16 cache's time over its time (same shape and partial
+dtype, same run) and ``fp8 err`` its output's relative RMS difference from the bf16 cache's (the e4m3 rounding).
+The XLA path and FlashMLA (whose fp8 decode is sparse-only) run on the bf16 cache only.
+
 Peer: FlashMLA (deepseek-ai/FlashMLA 9241ae3, its sm90a dense bf16 decode through its own
 ``flash_mla_with_kvcache``), in the same process on the same GPU, reading the same cache memory through the same
 block table with the same q, lengths and scale (the JAX arrays reach torch through DLPack, no copy). ``fmla us`` is
@@ -48,7 +54,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks._harness import cupti_kernels  # noqa: E402
-from pallas_kernels.mla import MlaDecodeConfig, api, default_tuning, mla_decode  # noqa: E402
+from pallas_kernels.mla import MlaDecodeConfig, api, cache_format, default_tuning, mla_decode  # noqa: E402
 from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM  # noqa: E402
 from pallas_kernels.testing import K3_MLA_SCALE  # noqa: E402
 
@@ -177,12 +183,24 @@ def merge_device_us(f, *args, calls: int = 20) -> tuple[float, float] | None:
   return merge * 1e3 / calls, merge / total
 
 
+def make_cache(dtype, key, num_pages: int, block: int = 4096) -> jax.Array:
+  """``[num_pages, 64, row width]`` cache of N(0, 1) latent rows in ``dtype`` (bf16, or fp8 rows with their
+  scales), drawn and quantised ``block`` pages at a time (the f32 draw of a whole 128K x 128 cache is 39 GB); the
+  same ``key`` gives the same values in every dtype."""
+  quantize = jax.jit(lambda k: cache_format.quantize_rows(
+      jax.random.normal(k, (block, PAGE_SIZE, DIM), jnp.float32), dtype, LATENT_DIM))
+  keys = jax.random.split(key, -(-num_pages // block))
+  return jnp.concatenate([quantize(k) for k in keys])[:num_pages]
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
   parser.add_argument("--context", type=int, nargs="+", default=[4096, 32768, 131072])
   parser.add_argument("--heads", type=int, nargs="+", default=[16, 96, 128])
   parser.add_argument("--impl", default="pallas", help="'interpret' smoke-tests the script on a CPU")
+  parser.add_argument("--cache-dtypes", nargs="+", choices=("bfloat16", "float8_e4m3fn"), default=["bfloat16"],
+                      help="latent cache dtypes to time (bfloat16 first: the fp8 rows are compared with it)")
   parser.add_argument("--copy-gib", type=float, default=2.0, help="array size of the copy measurement")
   parser.add_argument("--json", help="also append one JSON line per measurement to this file")
   parser.add_argument("--no-flashmla", action="store_true", help="time ours alone, without the FlashMLA column")
@@ -197,12 +215,13 @@ def main() -> None:
 
   num_pages = max(args.batch) * max(args.context) // PAGE_SIZE
   kq, kc, kp = jax.random.split(jax.random.key(0), 3)
-  cache = jax.random.normal(kc, (num_pages, PAGE_SIZE, DIM), jnp.bfloat16)
+  caches = {name: make_cache(jnp.dtype(name), kc, num_pages) for name in args.cache_dtypes}
   order = jax.random.permutation(kp, num_pages).astype(jnp.int32)
-  print(f"cache {num_pages} pages ({cache.nbytes / 2**30:.1f} GiB)\n", flush=True)
-  header = (f"{'B':>4} {'ctx':>7} {'Hq':>4} {'partial':>8} {'splits':>6} {'time us':>9} {'TB/s':>6} "
+  print("caches of " + ", ".join(f"{num_pages} pages of {name} ({c.nbytes / 2**30:.1f} GiB)" for name, c in
+                                 caches.items()) + "\n", flush=True)
+  header = (f"{'B':>4} {'ctx':>7} {'Hq':>4} {'cache':>13} {'partial':>8} {'splits':>6} {'time us':>9} {'TB/s':>6} "
             f"{'of copy':>7} {'merge us':>9} {'of call':>7} {'xla us':>9} {'speedup':>7} {'TFLOP/s':>7} "
-            f"{'fmla us':>9} {'graph us':>9} {'vs ours':>7} {'rel err':>8}")
+            f"{'fmla us':>9} {'graph us':>9} {'vs ours':>7} {'rel err':>8} {'fp8 err':>8} {'vs bf16':>7}")
   print(header, flush=True)
   out = open(args.json, "a") if args.json else None
   for batch, context, heads in itertools.product(args.batch, args.context, args.heads):
@@ -210,14 +229,14 @@ def main() -> None:
     table = order[: batch * pps].reshape(batch, pps)
     lens = jnp.full((batch,), context, jnp.int32)
     q = jax.random.normal(kq, (batch, heads, DIM), jnp.bfloat16)
-    kv_bytes = batch * context * DIM * 2
+    cache = caches.get("bfloat16")
     xla_s = None
-    if batch * context <= XLA_MAX_TOKENS:
+    if cache is not None and batch * context <= XLA_MAX_TOKENS:
       faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
       xla = jax.jit(lambda *a: mla_decode(*a, config=MlaDecodeConfig(scale=K3_MLA_SCALE, impl="xla")))
       xla_s = time_call(xla, q, cache, table, lens)
     fmla = None  # (as called s, graph replay s or None, output) of FlashMLA on this shape
-    if not flashmla_skip:
+    if cache is not None and not flashmla_skip:
       faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
       try:
         fmla = time_flashmla(q, cache, table, lens)
@@ -225,33 +244,44 @@ def main() -> None:
         flashmla_skip = f"failed: {type(e).__name__}: {e}"
         print(f"FlashMLA {flashmla_skip}; timing ours alone from here", flush=True)
     flops = decode_flops(batch, heads, context)
-    for partial in (jnp.bfloat16, jnp.float32):
+    for partial, (cache_name, cache) in itertools.product((jnp.bfloat16, jnp.float32), caches.items()):
       faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
       config = MlaDecodeConfig(scale=K3_MLA_SCALE, partial_dtype=partial, impl=args.impl)
       f = jax.jit(lambda *a, config=config: mla_decode(*a, config=config))
       sec = time_call(f, q, cache, table, lens)
+      kv_bytes = batch * context * cache.shape[-1] * cache.dtype.itemsize
       tbs = kv_bytes / sec / 1e12
       splits = api.effective_num_splits(pps, default_tuning(batch, heads, pps).num_splits)
       merge = merge_device_us(f, q, cache, table, lens)
       merge_txt = f"{merge[0]:9.1f} {merge[1]:7.1%}" if merge else f"{'-':>9} {'-':>7}"
-      row = dict(batch=batch, context=context, heads=heads, partial=jnp.dtype(partial).name, splits=splits,
+      row = dict(batch=batch, context=context, heads=heads, cache=cache_name, partial=jnp.dtype(partial).name,
+                 splits=splits,
                  time_us=sec * 1e6, tbs=tbs, frac_copy=tbs / copy_tbs, merge_us=merge and merge[0],
                  merge_frac=merge and merge[1], xla_us=None if xla_s is None else xla_s * 1e6,
                  tflops=flops / sec / 1e12, flashmla_us=None, flashmla_called_us=None, flashmla_graph_us=None,
-                 flashmla_tflops=None, ratio_flashmla=None, flashmla_rel_err=None)
-      xla_txt = f"{xla_s * 1e6:9.1f} {xla_s / sec:6.1f}x" if xla_s is not None else f"{'-':>9} {'-':>7}"
+                 flashmla_tflops=None, ratio_flashmla=None, flashmla_rel_err=None, vs_bf16=None, bf16_rel_err=None)
+      bf16_run = cache_name == "bfloat16"
+      xla_txt = (f"{xla_s * 1e6:9.1f} {xla_s / sec:6.1f}x" if xla_s is not None and bf16_run
+                 else f"{'-':>9} {'-':>7}")
       fmla_txt = f"{'-':>9} {'-':>9} {'-':>7} {'-':>8}"
-      if fmla:
+      o_ours = np.asarray(f(q, cache, table, lens)[0].astype(jnp.float32))
+      if bf16_run:
+        bf16_sec, o_bf16 = sec, o_ours
+      elif "bfloat16" in caches:
+        row.update(vs_bf16=bf16_sec / sec, bf16_rel_err=rel_rms(o_ours, o_bf16))
+      if fmla and bf16_run:
         called, graph, o_fmla = fmla
         best = min(t for t in (called, graph) if t is not None)
-        o_ours = np.asarray(f(q, cache, table, lens)[0].astype(jnp.float32))
         row.update(flashmla_us=best * 1e6, flashmla_called_us=called * 1e6,
                    flashmla_graph_us=None if graph is None else graph * 1e6, flashmla_tflops=flops / best / 1e12,
                    ratio_flashmla=best / sec, flashmla_rel_err=rel_rms(o_fmla, o_ours))
         graph_txt = f"{graph * 1e6:9.1f}" if graph is not None else f"{'-':>9}"
         fmla_txt = f"{called * 1e6:9.1f} {graph_txt} {best / sec:6.2f}x {row['flashmla_rel_err']:8.1e}"
-      print(f"{batch:4d} {context:7d} {heads:4d} {row['partial']:>8} {splits:6d} {sec * 1e6:9.1f} {tbs:6.2f} "
-            f"{tbs / copy_tbs:7.0%} {merge_txt} {xla_txt} {row['tflops']:7.1f} {fmla_txt}", flush=True)
+      vs_txt = (f"{row['bf16_rel_err']:8.1e} {row['vs_bf16']:6.2f}x" if row["vs_bf16"] is not None
+                else f"{'-':>8} {'-':>7}")
+      print(f"{batch:4d} {context:7d} {heads:4d} {cache_name:>13} {row['partial']:>8} {splits:6d} {sec * 1e6:9.1f} "
+            f"{tbs:6.2f} {tbs / copy_tbs:7.0%} {merge_txt} {xla_txt} {row['tflops']:7.1f} {fmla_txt} {vs_txt}",
+            flush=True)
       if out:
         out.write(json.dumps(row) + "\n")
         out.flush()

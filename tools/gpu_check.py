@@ -84,9 +84,10 @@ _kda_decode = _each(lambda r: f"N={r['N']} H={r['H']} {r['state']} {r['ours_us']
                               f"{r['copy_frac']:.0%} of copy{_ratio(r, 'vs_fla', 'FLA')}")
 _short_conv = _each(lambda r: f"{r['phase']} N={r['N']} H={r['H']} {r['conv_us']:.1f} us, "
                               f"{r['conv_xla_us'] / r['conv_us']:.2f}x XLA")
-_mla_decode = _each(lambda r: f"B={r['batch']} ctx={r['context']} Hq={r['heads']} {r['partial']} "
-                              f"{r['time_us']:.1f} us, {r['frac_copy']:.0%} of copy"
-                              f"{_ratio(r, 'ratio_flashmla', 'FlashMLA')}")
+_mla_decode = _each(lambda r: f"B={r['batch']} ctx={r['context']} Hq={r['heads']} "
+                              f"{'' if r.get('cache', 'bfloat16') == 'bfloat16' else r['cache'] + ' cache '}"
+                              f"{r['partial']} {r['time_us']:.1f} us, {r['frac_copy']:.0%} of copy"
+                              f"{_ratio(r, 'ratio_flashmla', 'FlashMLA')}{_ratio(r, 'vs_bf16', 'bf16 cache')}")
 
 
 def _mla_prefill(_: str, path: pathlib.Path) -> str:
@@ -135,7 +136,8 @@ SECTIONS = (
     Section("kda-decode", (PY, "benchmarks/kda_decode.py", "--quick", "--json", "{json}"), 300, _kda_decode),
     Section("short-conv", (PY, "benchmarks/short_conv.py", "--quick", "--json", "{json}"), 300, _short_conv),
     Section("mla-decode", (PY, "benchmarks/mla_decode.py", "--batch", "32", "--context", "32768", "--heads", "16",
-                           "128", "--json", "{json}"), 300, _mla_decode),
+                           "128", "--cache-dtypes", "bfloat16", "float8_e4m3fn", "--json", "{json}"), 300,
+            _mla_decode),
     Section("mla-prefill", (PY, "benchmarks/mla_prefill.py", "--T", "32768", "--N", "1", "--H", "96", "11",
                             "--impl", "pallas", "--peers", "jax-cudnn-mla", "torch-cudnn", "--json", "{json}"),
             300, _mla_prefill),
