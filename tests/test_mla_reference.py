@@ -245,8 +245,13 @@ def test_reference_validation_uses_the_same_checks():
 
 
 def test_kernels_need_bf16_inputs():
-  with pytest.raises(NotImplementedError, match="needs bf16 q_abs and kv_cache"):
+  match = "needs a bf16 q_abs and a bf16 or fp8 kv_cache"
+  with pytest.raises(NotImplementedError, match=match):
     mla_decode(*_ARGS, config=MlaDecodeConfig(scale=K3_MLA_SCALE, impl="interpret"))
+  q, cache, *rest = _ARGS
+  with pytest.raises(NotImplementedError, match=match):  # an f32 cache, even with a bf16 q
+    mla_decode(q.astype(jnp.bfloat16), cache.astype(jnp.float32), *rest,
+               config=MlaDecodeConfig(scale=K3_MLA_SCALE, impl="interpret"))
 
 
 @pytest.mark.parametrize(("o_parts", "lse_parts", "out_dtype", "match"), [

@@ -235,9 +235,11 @@ def plain_rows(cache, seq_lens, block_table):
 # change of the attention output, measured 8.5e-3 on logits of 3.6), a state entry may round to the
 # neighbouring bf16 value (one ulp of |state| < 2 is 2^-7), and a cached latent or conv-window entry to its
 # neighbour as above (1.7e-3 on logits).
-# fp8 latent cache, f32 elsewhere: each token's row is quantised from the same f32 latent on its owner device
-# as on one device (the test checks the bytes), so the logits differ only as in the f32 case.
-FP8_ATOL = 2e-5
+# fp8 latent cache, f32 elsewhere: each token's row is quantised on its owner device from its f32 latent, which the
+# sharded run sums in another order (a few f32 ulps). That can move a row's scale by an ulp, hence a held value's
+# bf16 rounding (2^-9 of it) or, rarely, its e4m3 rounding (2^-3 of one element): logits of O(1) move by up to
+# ~1e-3, and the held values by at most one e4m3 unit.
+FP8_ATOL = 2e-3
 DTYPE_CASES = [(jnp.float32, jnp.float32, jnp.float32, 2e-5, 4e-6),
                (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, 2e-2, 2.0 ** -6)]
 
@@ -294,7 +296,8 @@ def check_collectives(cfg, hlo):
 
 
 def test_sharded_step_with_an_fp8_cache_matches_single_device(tiny):
-  """The fp8 latent rows (values and their scales) are written to and read from each token's owner device."""
+  """The fp8 latent rows (values and their scales) are written to and read from each token's owner device: the
+  rows each device holds, read back, are those of one device."""
   model = padding.rebuild(tiny, tiny.cfg.replace(cache_dtype=cache_format.FP8))
   sharded, single, placed, mesh, _ = run_sharded_and_single(model)
   for (logits, _), (ref_logits, _) in zip(sharded, single):
@@ -302,6 +305,8 @@ def test_sharded_step_with_an_fp8_cache_matches_single_device(tiny):
   cache, ref_cache = sharded[-1][1], single[-1][1]
   assert cache.mla[0].dtype == cache_format.FP8 and cache.mla[0].shape[-1] == placed.cfg.cache_row_width
   lens = np.asarray(ref_cache.seq_lens).tolist()
-  rows = relayout_dcp(np.asarray(cache.mla[0]).view(np.uint8), N, lens, np.asarray(cache.block_table))
-  ref_rows = plain_rows(np.asarray(ref_cache.mla[0]).view(np.uint8), lens, np.asarray(ref_cache.block_table))
-  np.testing.assert_array_equal(rows, ref_rows)
+  held = lambda c: np.asarray(cache_format.dequantize_rows(c.mla[0], placed.cfg.kv_lora_rank), np.float32)
+  rows = relayout_dcp(held(cache), N, lens, np.asarray(cache.block_table))
+  ref_rows = plain_rows(held(ref_cache), lens, np.asarray(ref_cache.block_table))
+  assert np.isfinite(rows).all()
+  np.testing.assert_allclose(rows, ref_rows, rtol=2.0 ** -3, atol=1e-6)
