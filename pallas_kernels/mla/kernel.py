@@ -1,10 +1,9 @@
 """Split-K absorbed MLA decode as a Pallas Mosaic GPU kernel (Hopper).
 
 One program per (split, sequence, 64-row head tile), head tiles fastest; a memory warpgroup streams the
-sequence's pages by TMA into a two-slot ring that two compute warpgroups share, ``P @ V`` split by output
-columns over both. bf16 cache: each compute warpgroup runs QK and the softmax of every other page (``seesaw``),
-so one's softmax overlaps the other's matrix work. An fp8 cache (``cache_format``) is dequantised on chip into
-one bf16 tile first, and one warpgroup runs QK and the softmax of every page (``leader``, ``follower``). See README.md for the derivation, the NaN rules, the fp8 pages and the SMEM budget.
+sequence's pages by TMA into a two-slot ring that two compute warpgroups share (QK and the softmax on one,
+``P @ V`` split by output columns over both). An fp8 cache (``cache_format``) is dequantised on chip into a bf16
+tile first. See README.md for the derivation, the NaN rules, the fp8 pages and the SMEM budget.
 """
 
 import functools
@@ -46,8 +45,8 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
      consumed_bar, p_ready_bar, p_free_bar, tile_ready_bar, tile_free_bar) = refs
     (raw, scales, kv_tile), p_ring, o_stage = ring
   else:
-    (table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, rows_smem, lse_smem, q_bar, kv_bar, consumed_bar,
-     m0_bar, p0_bar, p1_bar) = refs
+    (table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_smem, row_smem, lse_smem, q_bar, kv_bar, consumed_bar,
+     p_ready_bar, p_free_bar) = refs
     kv_smem, o_stage = ring
   hb, split, b = lax.axis_index("hb"), lax.axis_index("split"), lax.axis_index("b")
   wg = lax.axis_index("wg")
@@ -60,30 +59,21 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   along_rows = lambda x, shape: lax.broadcast_in_dim(x, shape, (0,))
 
-  def page_tokens(i):
-    """Tokens of this split's page i (0 for a page past the split's last: the odd pair's missing page)."""
-    return jnp.where(i < num_pages, seq_len - (first_page + i) * PAGE_SIZE, 0)
-
-  def zero_v_tail(tile, cols, tokens):
-    """Zeroes this warpgroup's V columns of the rows past ``tokens`` (a last or missing page only): their P is
-    0, but the cache (or a slot never loaded) may hold NaN there, and ``0 * NaN = NaN`` in ``P @ V``."""
-    @pl.when(tokens < PAGE_SIZE)
+  def zero_v_tail(tile, cols, page_start):
+    """Zeroes this warpgroup's V columns of the rows past ``seq_len`` (last page only; NaN-safe ``P @ V``)."""
+    @pl.when(page_start + PAGE_SIZE > seq_len)
     def _():
       v = tile.at[:, cols]
       token = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, COLS), 0, layout=plgpu.Layout.WGMMA)
-      v[...] = jnp.where(token < tokens, plgpu.load(v, layout=plgpu.Layout.WGMMA, optimized=False),
-                         0).astype(v.dtype)
-      plgpu.commit_smem()
+      v[...] = jnp.where(token < seq_len - page_start,
+                         plgpu.load(v, layout=plgpu.Layout.WGMMA, optimized=False), 0).astype(v.dtype)
 
-  def scores(tile, tokens):
-    """``q @ tile^T`` in the base-2 domain, tokens past ``tokens`` at -inf: ``[64, 64]`` f32."""
-    def qk(acc_ref):
-      plgpu.wgmma(acc_ref, q_smem, tile.T)
-      return acc_ref[...]
-
-    s = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, PAGE_SIZE), jnp.float32)) * (scale * LOG2E)
-    token = plgpu.broadcasted_iota(jnp.int32, (HEAD_TILE, PAGE_SIZE), 1, layout=plgpu.Layout.WGMMA)
-    return jnp.where(token < tokens, s, -jnp.inf)
+  def p_tile(i):
+    """Where P of page i goes: one buffer (bf16); fp8: the first rows of page i's ring slot, whose values are in
+    the bf16 tile by then (the slot goes back to the memory warpgroup only after ``P @ V``)."""
+    if fp8:
+      return p_ring.at[lax.rem(i, STAGES), pl.ds(0, HEAD_TILE)]
+    return p_smem
 
   def accumulate(acc, alpha, tile, cols, p_ref):
     """``acc * alpha + P @ V[:, cols]`` with P from SMEM."""
@@ -110,136 +100,6 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     """
     pl.when(i + STAGES < num_pages)(lambda: plgpu.barrier_arrive(consumed_bar.at[slot]))
 
-  def store_rows(copy):
-    """``copy(n)`` stores the first n rows of this head tile: only real heads (rounded up to 8) reach HBM."""
-    if last_rows == HEAD_TILE:
-      copy(HEAD_TILE)
-      return
-    pl.when(hb < head_blocks - 1)(lambda: copy(HEAD_TILE))
-    pl.when(hb == head_blocks - 1)(lambda: copy(last_rows))
-
-  def epilogue(w, acc, inv_l):
-    o_stage[w] = (acc * along_rows(inv_l, acc.shape)).astype(o_stage.dtype)
-    plgpu.commit_smem()
-    store_rows(lambda n: plgpu.copy_smem_to_gmem(
-        o_stage.at[w, pl.ds(0, n)], o_ref.at[split, b, pl.ds(row0, n), pl.ds(w * COLS, COLS)]))
-
-  def finish(m, l):
-    """The split's ``1 / l`` (for the epilogues) and its LSE, stored by the calling warpgroup.
-
-    l = 0 is an empty split (no page, and acc = 0): (0, -inf). With tokens, l is NaN after a NaN or inf in
-    q or a token's row (exp2 of NaN or of inf - inf), or 0 if every logit was -inf (an infinite input too):
-    both give NaN, never the (0, -inf) that merge_partials drops as an empty split.
-    """
-    l = jnp.where(l == 0, jnp.where(num_pages > 0, jnp.nan, 0.0), l)
-    empty = l == 0
-    lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l)) * LN2)
-    plgpu.commit_smem()
-    store_rows(lambda n: plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, n)], lse_ref.at[split, b, pl.ds(row0, n)]))
-    return jnp.where(empty, 0.0, 1.0 / l)
-
-  def init_state():
-    acc = plgpu.layout_cast(jnp.zeros((HEAD_TILE, COLS), jnp.float32), plgpu.Layout.WGMMA)
-    m = plgpu.layout_cast(jnp.full((HEAD_TILE,), INIT_MAX, jnp.float32), row_layout)
-    l = plgpu.layout_cast(jnp.zeros((HEAD_TILE,), jnp.float32), row_layout)
-    return acc, m, l
-
-  def seesaw(w):
-    """bf16 cache. Compute warpgroup w: QK and the softmax of the pages of parity w (ring slot w), and its half
-    of ``P @ V`` (output columns ``256w : 256w + 256``) of every page.
-
-    Pages go in pairs (2j in slot 0, 2j + 1 in slot 1), so both warpgroups issue QK at once and each one's
-    softmax overlaps the other's matrix work. The running max is shared: warpgroup 0 publishes its page's
-    max ``m0`` first, warpgroup 1 folds it into its own page's ``m1``; P of each page goes into that page's
-    rope columns (only QK reads them, and the page's QK is done) and both warpgroups then accumulate
-    ``O = (O * 2^(m - m0) + P0 V0) * 2^(m0 - m1) + P1 V1``. Each keeps the row sums of its own pages; they
-    are added at the end. A split with an odd page count ends with a missing page 2j + 1: no load, its
-    scores -inf (P 0) and its V columns zeroed.
-    """
-    if not smem_operands:
-      plgpu.set_max_registers(232, action="increase")
-    cols = pl.ds(w * COLS, COLS)
-    plgpu.barrier_wait(q_bar)
-
-    def page(i):
-      """Page i's ring slot (i % 2: 0 for the pair's first page) and its rope columns, where its P goes."""
-      tile = kv_smem.at[lax.rem(i, STAGES)]
-      return tile, tile.at[:, pl.ds(LATENT_DIM, ROPE_DIM)]
-
-    def wait_page(i):
-      pl.when(i < num_pages)(lambda: plgpu.barrier_wait(kv_bar.at[lax.rem(i, STAGES)]))
-
-    def pair(j, carry):
-      acc, m, l = carry
-      first, second = 2 * j, 2 * j + 1
-      mine = first + w
-      wait_page(mine)
-      tile, p_ref = page(mine)
-      s = scores(tile, page_tokens(mine))
-      if w == 0:
-        m0 = m_mine = jnp.maximum(m, s.max(axis=1))
-        rows_smem[0] = m0
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(m0_bar)
-      else:
-        plgpu.barrier_wait(m0_bar)
-        m0 = plgpu.load(rows_smem.at[0], layout=row_layout)
-        m_mine = jnp.maximum(m0, s.max(axis=1))
-      p = jnp.exp2(s - along_rows(m_mine, s.shape))
-      p_sum = p.sum(axis=1)
-      p_ref[...] = p.astype(p_ref.dtype)
-      if w == 1:
-        rows_smem[1] = m_mine
-      plgpu.commit_smem()
-      if w == 1:
-        # P0 before P1 goes out: warpgroup 0 publishes the next pair's P0 only after this pair's P1, so each
-        # phase of the P0 barrier is observed before the next one completes.
-        wait_page(first)
-        plgpu.barrier_wait(p0_bar)
-      plgpu.barrier_arrive(p1_bar if w else p0_bar)
-
-      # The first page: both halves of its P @ V in the frame of m0.
-      tile, p_ref = page(first)
-      zero_v_tail(tile, cols, page_tokens(first))
-      acc = accumulate(acc, jnp.exp2(m - m0), tile, cols, p_ref)
-      release(first, lax.rem(first, STAGES))
-      # The second, in the frame of m1.
-      if w == 0:
-        wait_page(second)
-        plgpu.barrier_wait(p1_bar)
-        m1 = plgpu.load(rows_smem.at[1], layout=row_layout)
-      else:
-        m1 = m_mine
-      alpha = jnp.exp2(m0 - m1)
-      tile, p_ref = page(second)
-      zero_v_tail(tile, cols, page_tokens(second))
-      acc = accumulate(acc, alpha, tile, cols, p_ref)
-      release(second, lax.rem(second, STAGES))
-      l = l * jnp.exp2(m - m0) + (p_sum if w == 0 else 0.0)
-      l = l * alpha + (p_sum if w == 1 else 0.0)
-      return acc, m1, l
-
-    acc, m, l = lax.fori_loop(0, pl.cdiv(num_pages, 2), pair, init_state())
-    # Three more messages, each sent only after the previous phase of its barrier was observed: warpgroup 0 is
-    # done with the ring (m0), warpgroup 1's row sums (P1), then 1 / l (P0). After them neither warpgroup reads
-    # the ring again, so the staging may overwrite it.
-    if w == 1:
-      plgpu.barrier_wait(m0_bar)
-      rows_smem[2] = l
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(p1_bar)
-      plgpu.barrier_wait(p0_bar)
-      inv_l = plgpu.load(rows_smem.at[3], layout=row_layout)
-    else:
-      plgpu.barrier_arrive(m0_bar)
-      plgpu.barrier_wait(p1_bar)
-      inv_l = finish(m, l + plgpu.load(rows_smem.at[2], layout=row_layout))
-      rows_smem[3] = inv_l
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(p0_bar)
-    epilogue(w, acc, inv_l)
-    plgpu.wait_smem_to_gmem(0)
-
   def dequantize(w, slot, page_start):
     """fp8: warpgroup w's column chunks of ring slot ``slot`` into ``kv_tile`` as bf16 ``value * scale`` (the
     latent chunks by the row's latent scale, the rope chunk by its rope scale); rows past ``seq_len`` become 0,
@@ -259,11 +119,13 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
       kv_tile.at[:, cols][...] = jnp.where(valid, x, 0.0).astype(kv_tile.dtype)
 
   def acquire(i, w):
-    """fp8: page i's ``[64, 576]`` bf16 tile for warpgroup w's QK / ``P @ V``. Both compute warpgroups
-    dequantise the page's ring slot into the one bf16 tile, once the previous page's ``P @ V`` is done with
-    it."""
+    """Page i's ``[64, 576]`` bf16 tile for warpgroup w's QK / ``P @ V``. bf16: the ring slot itself. fp8: both
+    compute warpgroups dequantise the slot into the one bf16 tile, once the previous page's ``P @ V`` is done
+    with it."""
     slot = lax.rem(i, STAGES)
     plgpu.barrier_wait(kv_bar.at[slot])
+    if not fp8:
+      return kv_smem.at[slot]
     pl.when(i > 0)(lambda: plgpu.barrier_wait(tile_free_bar))
     dequantize(w, slot, (first_page + i) * PAGE_SIZE)
     plgpu.commit_smem()
@@ -271,19 +133,30 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     plgpu.barrier_wait(tile_ready_bar)
     return kv_tile
 
-  def p_tile(i):
-    """fp8: P of page i goes into the first rows of page i's ring slot, whose values are in the bf16 tile by
-    then (the slot goes back to the memory warpgroup only after ``P @ V``)."""
-    return p_ring.at[lax.rem(i, STAGES), pl.ds(0, HEAD_TILE)]
-
   def done(i):
-    """fp8: after a warpgroup's ``P @ V`` of page i, the ring slot goes back to the memory warpgroup and the
-    tile may take the next page (an arrival only if a next page awaits it, as in ``release``)."""
-    pl.when(i + 1 < num_pages)(lambda: plgpu.barrier_arrive(tile_free_bar))
+    """After a warpgroup's ``P @ V`` of page i: the ring slot goes back to the memory warpgroup (fp8: it held P
+    too), and the fp8 tile may take the next page (an arrival only if a next page awaits it, as in
+    ``release``)."""
+    if fp8:
+      pl.when(i + 1 < num_pages)(lambda: plgpu.barrier_arrive(tile_free_bar))
     release(i, lax.rem(i, STAGES))
 
+  def store_rows(copy):
+    """``copy(n)`` stores the first n rows of this head tile: only real heads (rounded up to 8) reach HBM."""
+    if last_rows == HEAD_TILE:
+      copy(HEAD_TILE)
+      return
+    pl.when(hb < head_blocks - 1)(lambda: copy(HEAD_TILE))
+    pl.when(hb == head_blocks - 1)(lambda: copy(last_rows))
+
+  def epilogue(w, acc, inv_l):
+    o_stage[w] = (acc * along_rows(inv_l, acc.shape)).astype(o_stage.dtype)
+    plgpu.commit_smem()
+    store_rows(lambda n: plgpu.copy_smem_to_gmem(
+        o_stage.at[w, pl.ds(0, n)], o_ref.at[split, b, pl.ds(row0, n), pl.ds(w * COLS, COLS)]))
+
   def leader():
-    """fp8 cache. Warpgroup 0: QK and the softmax for the whole page, then its half of ``P @ V``."""
+    """Warpgroup 0: QK and the softmax for the whole page, then its half of ``P @ V``."""
     if not smem_operands:
       plgpu.set_max_registers(232, action="increase")
     cols = pl.ds(0, COLS)
@@ -292,7 +165,15 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     def page_step(i, carry):
       acc, m, l = carry
       tile = acquire(i, 0)
-      s = scores(tile, page_tokens(i))
+      page_start = (first_page + i) * PAGE_SIZE
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, tile.T)
+        return acc_ref[...]
+
+      s = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, PAGE_SIZE), jnp.float32)) * (scale * LOG2E)
+      token = plgpu.broadcasted_iota(jnp.int32, (HEAD_TILE, PAGE_SIZE), 1, layout=plgpu.Layout.WGMMA)
+      s = jnp.where(token < seq_len - page_start, s, -jnp.inf)
       m_new = jnp.maximum(m, s.max(axis=1))
       alpha = jnp.exp2(m - m_new)
       p = jnp.exp2(s - along_rows(m_new, s.shape))
@@ -305,50 +186,62 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
       p_ref = p_tile(i)
       p_ref[...] = p.astype(p_ref.dtype)
       row_smem[...] = alpha
+      if not fp8:
+        zero_v_tail(tile, cols, page_start)
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready_bar)
       acc = accumulate(acc, alpha, tile, cols, p_ref)
       done(i)
       return acc, m_new, l
 
-    acc, m, l = lax.fori_loop(0, num_pages, page_step, init_state())
+    acc = plgpu.layout_cast(jnp.zeros((HEAD_TILE, COLS), jnp.float32), plgpu.Layout.WGMMA)
+    m = plgpu.layout_cast(jnp.full((HEAD_TILE,), INIT_MAX, jnp.float32), row_layout)
+    l = plgpu.layout_cast(jnp.zeros((HEAD_TILE,), jnp.float32), row_layout)
+    acc, m, l = lax.fori_loop(0, num_pages, page_step, (acc, m, l))
 
     @pl.when(num_pages > 0)
     def _():
       plgpu.barrier_wait(p_free_bar)  # warpgroup 1 is done with the ring: the staging may overwrite it
 
-    inv_l = finish(m, l)
+    # l = 0 is an empty split (no page, and acc = 0): (0, -inf). With tokens, l is NaN after a NaN or inf
+    # in q or a token's row (exp2 of NaN or of inf - inf), or 0 if every logit was -inf (an infinite input
+    # too): both give NaN, never the (0, -inf) that merge_partials drops as an empty split.
+    l = jnp.where(l == 0, jnp.where(num_pages > 0, jnp.nan, 0.0), l)
+    empty = l == 0
+    inv_l = jnp.where(empty, 0.0, 1.0 / l)
     row_smem[...] = inv_l
+    lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l)) * LN2)
     plgpu.commit_smem()
     plgpu.barrier_arrive(p_ready_bar)
+    store_rows(lambda n: plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, n)], lse_ref.at[split, b, pl.ds(row0, n)]))
     epilogue(0, acc, inv_l)
     plgpu.wait_smem_to_gmem(0)
 
   def follower():
-    """fp8 cache. Warpgroup 1: the other half of ``P @ V`` with the leader's P and alpha."""
+    """Warpgroup 1: the other half of ``P @ V`` with the leader's P and alpha."""
     if not smem_operands:
       plgpu.set_max_registers(232, action="increase")
     cols = pl.ds(COLS, COLS)
 
     def page_step(i, acc):
       tile = acquire(i, 1)
+      if not fp8:
+        zero_v_tail(tile, cols, (first_page + i) * PAGE_SIZE)
+        plgpu.commit_smem()
       plgpu.barrier_wait(p_ready_bar)
       acc = accumulate(acc, plgpu.load(row_smem, layout=row_layout), tile, cols, p_tile(i))
       plgpu.barrier_arrive(p_free_bar)
       done(i)
       return acc
 
-    acc = lax.fori_loop(0, num_pages, page_step, init_state()[0])
+    acc = plgpu.layout_cast(jnp.zeros((HEAD_TILE, COLS), jnp.float32), plgpu.Layout.WGMMA)
+    acc = lax.fori_loop(0, num_pages, page_step, acc)
     plgpu.barrier_wait(p_ready_bar)  # the leader's 1 / l, and the leader is done with the ring
     epilogue(1, acc, plgpu.load(row_smem, layout=row_layout))
     plgpu.wait_smem_to_gmem(0)
 
-  if fp8:
-    pl.when(wg == 0)(leader)
-    pl.when(wg == 1)(follower)
-  else:
-    pl.when(wg == 0)(lambda: seesaw(0))
-    pl.when(wg == 1)(lambda: seesaw(1))
+  pl.when(wg == 0)(leader)
+  pl.when(wg == 1)(follower)
 
   @pl.when(wg == COMPUTE_WGS)
   def _memory():
@@ -384,7 +277,8 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
   tile_dtype = jnp.bfloat16 if fp8 else kv_cache.dtype
   tile = lambda shape, dtype: plgpu.SMEM(shape, dtype, transforms=util.smem_transforms(dtype, shape[-1]))
   o_stage = tile((COMPUTE_WGS, HEAD_TILE, COLS), partial_dtype)
-  inputs = (q_pad, kv_cache)
+  inputs, extra_barriers = (q_pad, kv_cache), ()
+  p_smem = (tile((HEAD_TILE, PAGE_SIZE), tile_dtype),)
   if fp8:
     # Three groups from the same offset: the fp8 ring (then the scales and the bf16 tile); P of each page in the
     # first rows of its ring slot (a slot's values are in the tile before P is written, and the slot is reloaded
@@ -396,19 +290,15 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
                            tile((PAGE_SIZE, DIM), tile_dtype)),
                           tile((STAGES, PAGE_SIZE * DIM // (HEAD_TILE * 2), HEAD_TILE), tile_dtype),
                           o_stage)
+    p_smem = ()
     # The same bytes as f32 words (a bitcast, no copy): the memory warpgroup loads the scales from there.
     words = lax.bitcast_convert_type(kv_cache.reshape(kv_cache.shape[:2] + (ROW_WORDS, 4)), jnp.float32)
     inputs += (words,)
-    # alpha, then 1 / l | q | kv (values, scales) | consumed | P ready, free | tile ready, free
-    rows, kv_bar = plgpu.SMEM((HEAD_TILE,), jnp.float32), plgpu.Barrier(num_arrivals=2, num_barriers=STAGES)
-    exchange = (plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(num_arrivals=COMPUTE_WGS),
-                plgpu.Barrier(num_arrivals=COMPUTE_WGS))
+    kv_bar = plgpu.Barrier(num_arrivals=2, num_barriers=STAGES)  # values, scales
+    extra_barriers = (plgpu.Barrier(num_arrivals=COMPUTE_WGS), plgpu.Barrier(num_arrivals=COMPUTE_WGS))  # tile
   else:
-    # P of each page goes into its slot's rope columns, so the ring and q are all the big buffers.
     ring = plgpu.RefUnion(tile((STAGES, PAGE_SIZE, DIM), kv_cache.dtype), o_stage)
-    # m0, m1, then l of warpgroup 1 and 1 / l | q | kv | consumed | m0 ready, P0 ready, P1 ready
-    rows, kv_bar = plgpu.SMEM((4, HEAD_TILE), jnp.float32), plgpu.Barrier(num_barriers=STAGES)
-    exchange = (plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier())
+    kv_bar = plgpu.Barrier(num_barriers=STAGES)
   kernel = plgpu.kernel(
       functools.partial(_body, pps=pages_per_split(block_table.shape[1], num_splits), out_rows=out_rows,
                         scale=scale, smem_operands=smem_operands, fp8=fp8),
@@ -423,12 +313,15 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
       scratch_types=(
           tile((HEAD_TILE, dim), q_abs.dtype),
           ring,
-          rows,
+          *p_smem,
+          plgpu.SMEM((HEAD_TILE,), jnp.float32),
           plgpu.SMEM((HEAD_TILE,), jnp.float32),
           plgpu.Barrier(),
           kv_bar,
           plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES),
-      ) + exchange,
+          plgpu.Barrier(),
+          plgpu.Barrier(),
+      ) + extra_barriers,
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
   )
   with mosaic_interpret.interpret_mode(interpret):
