@@ -68,3 +68,16 @@ def test_mla_prefill_and_prefix_cache_summaries(tmp_path: pathlib.Path):
                                   logits_max_rel_diff=3e-3, interval=2048, ckpt_overhead_pct=1.25)))
   assert gpu_check._prefix_cache("", path) == ("32768+1024 tokens: uncached 900.0 ms, cached 60.0 ms (15.00x, "
                                                "logits rel diff 3.0e-03); checkpoints every 2048 cost +1.2%")
+
+
+def test_report_is_incomplete_until_every_planned_section_ran(tmp_path: pathlib.Path):
+  ok = gpu_check.Result("gpu-tests", True, 190.0, "48 passed, 1 skipped in 185.06s")
+  bad = gpu_check.Result("demo", False, 100.0, "FAILED (exit 1): consistency: FAILED\nlast lines")
+  text = gpu_check.report([ok], 2, "abc1234", "NVIDIA H200, jax 0.11.2", tmp_path)
+  assert (tmp_path / "gpu-check.md").read_text() == text
+  assert "| gpu-tests | pass | 190 s | 48 passed, 1 skipped in 185.06s |" in text
+  assert text.splitlines()[-1].startswith("gpu-check: INCOMPLETE 1/2 sections (gpu-tests ok) at abc1234 on NVIDIA H200")
+  text = gpu_check.report([ok, bad], 2, "abc1234", "NVIDIA H200, jax 0.11.2", tmp_path)
+  assert text.splitlines()[-1].startswith("gpu-check: FAIL 1/2 sections (gpu-tests ok, demo FAILED)")
+  assert "### demo" in text and "last lines" in text
+  assert gpu_check.report([ok], 1, "abc1234", "H200", tmp_path).splitlines()[-1].startswith("gpu-check: PASS 1/1")

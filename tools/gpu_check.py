@@ -212,20 +212,35 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu-check needs a Hopper GPU (sm_90a); the default device is {device.device_kind}", file=sys.stderr)
     return 2
   commit = args.commit or _commit()
-  results = [run_section(s, out) for s in SECTIONS if s.name in args.sections]
+  planned = [s for s in SECTIONS if s.name in args.sections]
+  results: list[Result] = []
+  where = f"{device.device_kind}, jax {jax.__version__}"
+  # The report is rewritten after every section: a run cut short (a device call's time limit) keeps what ran.
+  text = report(results, len(planned), commit, where, out)
+  for section in planned:
+    results.append(run_section(section, out))
+    text = report(results, len(planned), commit, where, out)
+  print("\n" + text, flush=True)
+  return 0 if all(r.ok for r in results) else 1
+
+
+def report(results: list[Result], planned: int, commit: str, where: str, out: pathlib.Path) -> str:
+  """Writes ``<out>/gpu-check.md`` (the table, failed sections' details, the summary line) and returns it.
+
+  The summary line says PASS or FAIL only once all ``planned`` sections ran; before, INCOMPLETE.
+  """
   passed = sum(r.ok for r in results)
   stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-  line = (f"gpu-check: {'PASS' if passed == len(results) else 'FAIL'} {passed}/{len(results)} sections "
-          f"({', '.join(r.name + (' ok' if r.ok else ' FAILED') for r in results)}) at {commit} on "
-          f"{device.device_kind}, jax {jax.__version__}, {stamp}")
+  verdict = ("INCOMPLETE" if len(results) < planned else "PASS" if passed == planned else "FAIL")
+  line = (f"gpu-check: {verdict} {passed}/{planned} sections "
+          f"({', '.join(r.name + (' ok' if r.ok else ' FAILED') for r in results)}) at {commit} on {where}, {stamp}")
   table = ["| section | result | time | key numbers |", "|---|---|---|---|"]
   table += [f"| {r.name} | {'pass' if r.ok else 'FAIL'} | {r.seconds:.0f} s | "
             f"{r.summary.splitlines()[0] if r.summary else ''} |" for r in results]
   details = [f"\n### {r.name}\n```\n{r.summary}\n```" for r in results if not r.ok]
   text = "\n".join(table + details + ["", line]) + "\n"
   (out / "gpu-check.md").write_text(text)
-  print("\n" + text, flush=True)
-  return 0 if passed == len(results) else 1
+  return text
 
 
 if __name__ == "__main__":
