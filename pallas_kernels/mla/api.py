@@ -104,7 +104,7 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
   out_dtype = util.canonical_dtype("out_dtype", q_abs.dtype if out_dtype is None else out_dtype,
                                     util.FLOAT_DTYPES)
   if config.impl != "xla" and (q_abs.dtype != jnp.bfloat16
-                               or jnp.dtype(kv_cache.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(cache_format.FP8))):
+                               or not (kv_cache.dtype == jnp.bfloat16 or cache_format.is_fp8(kv_cache.dtype))):
     raise NotImplementedError(f"mla_decode impl={config.impl!r} needs a bf16 q_abs and a bf16 or fp8 kv_cache, "
                               f"got {jnp.dtype(q_abs.dtype).name} and {jnp.dtype(kv_cache.dtype).name}")
   batch, num_heads, _ = q_abs.shape

@@ -42,11 +42,6 @@ def row_width(dim: int, dtype) -> int:
   return dim + TAIL if is_fp8(dtype) else dim
 
 
-def value_dim(width: int, dtype) -> int:
-  """``Dc + Dr`` of a cache row of ``width`` elements in ``dtype`` (the inverse of ``row_width``)."""
-  return width - TAIL if is_fp8(dtype) else width
-
-
 def _scale(part: jax.Array) -> jax.Array:
   amax = jnp.max(jnp.abs(part), axis=-1, keepdims=True)
   # max propagates NaN; inf stays inf: either reads back non-finite.

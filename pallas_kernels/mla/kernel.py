@@ -288,7 +288,7 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
                                       transforms=(plgpu.TilingTransform((8, FP8_TILE_COLS)),)),
                            plgpu.SMEM((STAGES, PAGE_SIZE, SCALE_WORDS), jnp.float32),
                            tile((PAGE_SIZE, DIM), tile_dtype)),
-                          tile((STAGES, PAGE_SIZE * DIM // (HEAD_TILE * 2), HEAD_TILE), tile_dtype),
+                          tile((STAGES, DIM // 2, PAGE_SIZE), tile_dtype),  # a slot's bytes as [*, 64] bf16
                           o_stage)
     p_smem = ()
     # The same bytes as f32 words (a bitcast, no copy): the memory warpgroup loads the scales from there.
