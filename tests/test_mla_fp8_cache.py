@@ -254,3 +254,12 @@ def test_cache_writes_take_fp8_rows_exactly_for_an_fp8_cache():
   written = ops.mesh_write_rows(fp8_cache, cache_format.quantize_rows(rows, FP8, LATENT_DIM), table, seq, pos)
   np.testing.assert_array_equal(np.asarray(cache_format.dequantize_rows(written[0, :1], LATENT_DIM)), rows)
   assert np.asarray(cache_format.dequantize_rows(written, LATENT_DIM))[:, 1:].max() == 0
+
+
+def test_narrow_kernel_refuses_an_fp8_cache():
+  rng = np.random.default_rng(4)
+  q, rows, table, lens = _decode_case(rng, [70], heads=11)
+  cache = cache_format.quantize_rows(jnp.asarray(rows, jnp.float32), FP8, LATENT_DIM)
+  with pytest.raises(NotImplementedError, match="narrow=True takes a bf16 kv_cache .* a float8_e4m3fn kv_cache"):
+    mla_decode(jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(table), jnp.asarray(lens),
+               config=MlaDecodeConfig(scale=K3_MLA_SCALE, impl="interpret", tuning=MlaDecodeTuning(narrow=True)))

@@ -22,9 +22,9 @@ O_REL_L2 = 5e-3  # bf16 P (2^-8 per weight), plus one bf16 rounding of the outpu
 LSE_ATOL = 2e-5  # f32 logits of O(10) and approx_math exp2 / log2
 
 
-def _config(impl, num_splits=None, partial_dtype=jnp.bfloat16):
+def _config(impl, num_splits=None, partial_dtype=jnp.bfloat16, narrow=None):
   return MlaDecodeConfig(scale=K3_MLA_SCALE, partial_dtype=partial_dtype, impl=impl,
-                         tuning=MlaDecodeTuning(num_splits=num_splits))
+                         tuning=MlaDecodeTuning(num_splits=num_splits, narrow=narrow))
 
 
 def _check_against_references(args, o, lse, *, num_splits, partial_dtype):
@@ -43,11 +43,14 @@ def _check_against_references(args, o, lse, *, num_splits, partial_dtype):
   np.testing.assert_allclose(lse, np.asarray(lse_xla), atol=LSE_ATOL)
 
 
-@pytest.mark.parametrize(("num_heads", "partial_dtype"), [(1, jnp.float32), (16, jnp.bfloat16)])
-def test_kernel_matches_references(kernel_impl, num_heads, partial_dtype):
-  # Ragged: a partial last page (130), a page-aligned length (64) and an empty sequence (0).
+@pytest.mark.parametrize(("num_heads", "partial_dtype", "narrow"),
+                         [(1, jnp.float32, False), (16, jnp.bfloat16, False), (1, jnp.bfloat16, True),
+                          (11, jnp.float32, True), (32, jnp.bfloat16, True)])
+def test_kernel_matches_references(kernel_impl, num_heads, partial_dtype, narrow):
+  # Ragged: a partial last page (130), a page-aligned length (64) and an empty sequence (0). Narrow: the
+  # transposed kernel, heads as the MMA's N (1 and 11 pad to 8 and 16 rows, 32 its largest).
   args = mla_paged_inputs(20, [130, 64, 0], num_heads=num_heads, max_pages=4, q_dtype=jnp.bfloat16)
-  o, lse = mla_decode(*args, config=_config(kernel_impl, 2, partial_dtype))
+  o, lse = mla_decode(*args, config=_config(kernel_impl, 2, partial_dtype, narrow))
   _check_against_references(args, o, lse, num_splits=2, partial_dtype=partial_dtype)
 
 
@@ -76,14 +79,15 @@ def test_every_partial_slot_is_written_and_runs_are_deterministic(kernel_impl):
   np.testing.assert_array_equal(np.asarray(lse_again), lse_parts)
 
 
-def test_splits_of_many_pages(kernel_impl):
+@pytest.mark.parametrize("narrow", [False, True])
+def test_splits_of_many_pages(kernel_impl, narrow):
   # Splits of 3, 4, 7 and 13 pages (13 pages per split, the last sequence fills both splits, its last page
   # partial) stream through the two-slot KV ring, so every slot is refilled and its last page is never
   # followed by a refill. Interpret mode fails the kernel if a barrier phase completes that no warpgroup
   # awaits (the ring's "consumed" barriers, from 3 pages per split on).
   lens = [3 * PAGE_SIZE - 1, 4 * PAGE_SIZE, 7 * PAGE_SIZE - 30, 13 * PAGE_SIZE, 26 * PAGE_SIZE - 5]
   args = mla_paged_inputs(26, lens, num_heads=8, max_pages=26, q_dtype=jnp.bfloat16)
-  o, lse = mla_decode(*args, config=_config(kernel_impl, 2, jnp.float32))
+  o, lse = mla_decode(*args, config=_config(kernel_impl, 2, jnp.float32, narrow))
   _check_against_references(args, o, lse, num_splits=2, partial_dtype=jnp.float32)
 
 
@@ -92,7 +96,7 @@ def test_tuning_reaches_the_kernel(kernel_impl):
   # explicitly is the same kernel call (bitwise); two splits run another grid whose bf16 partials round
   # differently, and both are within the kernel's tolerance of the references.
   args = mla_paged_inputs(28, [4 * PAGE_SIZE, 100], num_heads=16, max_pages=4, q_dtype=jnp.bfloat16)
-  assert default_tuning(2, 16, 4) == MlaDecodeTuning(num_splits=1)
+  assert default_tuning(2, 16, 4) == MlaDecodeTuning(num_splits=1, narrow=False)
   run = lambda tuning: mla_decode(*args, config=MlaDecodeConfig(scale=K3_MLA_SCALE, impl=kernel_impl,
                                                                   tuning=tuning))
   o_default, lse_default = run(None)
@@ -124,9 +128,10 @@ def _poisoned_inputs():
   return q, cache, jnp.asarray(table), lens
 
 
-@pytest.mark.parametrize("partial_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize(("partial_dtype", "narrow"), [(jnp.bfloat16, False), (jnp.float32, False),
+                                                       (jnp.bfloat16, True)])
 @pytest.mark.parametrize("impl", ["xla", "kernel"])
-def test_non_finite_inputs_propagate_and_unused_rows_do_not(kernel_impl, impl, partial_dtype):
+def test_non_finite_inputs_propagate_and_unused_rows_do_not(kernel_impl, impl, partial_dtype, narrow):
   # A NaN or inf in a token's cache row or in q is not an empty sequence: the heads it reaches are
   # non-finite (exactly where the f64 oracle's are), whichever split holds it; an empty sequence stays
   # (0, -inf), and the NaN / inf in rows and pages that are no tokens never reach the result.
@@ -137,7 +142,8 @@ def test_non_finite_inputs_propagate_and_unused_rows_do_not(kernel_impl, impl, p
   assert bad[0].all() and bad[1].all() and bad[2].tolist() == [False, True, False, False]
   assert bad[5].tolist() == [False, False, True, False] and not bad[[3, 4]].any()
   for num_splits in (1, 3):
-    o, lse = mla_decode(*args, config=_config(kernel_impl if impl == "kernel" else impl, num_splits, partial_dtype))
+    o, lse = mla_decode(*args, config=_config(kernel_impl if impl == "kernel" else impl, num_splits, partial_dtype,
+                                              narrow))
     o, lse = np.asarray(o, np.float32), np.asarray(lse)
     np.testing.assert_array_equal(~np.isfinite(o).all(axis=-1), bad)
     np.testing.assert_array_equal(np.isnan(lse), np.isnan(lse_ref))
@@ -163,28 +169,29 @@ def test_f32_partials_closer_to_oracle_than_bf16_partials(kernel_impl):
   assert err[jnp.float32] < 0.75 * err[jnp.bfloat16] and err[jnp.float32] < O_REL_L2
 
 
-@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize(("num_heads", "narrow"), [(16, False), (128, False), (11, True), (32, True)])
 @pytest.mark.parametrize("partial_dtype", [jnp.bfloat16, jnp.float32])
-def test_gpu_kernel_lowers_for_cuda(num_heads, partial_dtype):
+def test_gpu_kernel_lowers_for_cuda(num_heads, narrow, partial_dtype):
   # Runs Mosaic GPU lowering, layout inference and the shared-memory check (the compiled variant, whose
   # P @ V accumulates in place) on the CPU machine.
   shapes = (jax.ShapeDtypeStruct((2, num_heads, 576), jnp.bfloat16),
             jax.ShapeDtypeStruct((9, PAGE_SIZE, 576), jnp.bfloat16),
             jax.ShapeDtypeStruct((2, 4), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32))
   f = functools.partial(kernel.mla_decode_partials_mosaic, scale=K3_MLA_SCALE, num_splits=2,
-                        partial_dtype=partial_dtype, interpret=False, smem_operands=False)
+                        partial_dtype=partial_dtype, interpret=False, narrow=narrow, smem_operands=False)
   lowered = jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_heads", [1, 16, 96, 128])
+@pytest.mark.parametrize(("num_heads", "narrow"), [(1, False), (16, False), (96, False), (128, False), (1, True),
+                                                   (11, True), (16, True), (32, True)])
 @pytest.mark.parametrize(("partial_dtype", "splits"), [(jnp.bfloat16, (1, None)), (jnp.float32, (3, 64))])
-def test_gpu_kernel_ragged_batches_and_splits(num_heads, partial_dtype, splits):
+def test_gpu_kernel_ragged_batches_and_splits(num_heads, narrow, partial_dtype, splits):
   lens = [0, 1, 63, 64, 65, 4096, 3000, 777]
   args = mla_paged_inputs(23, lens, num_heads=num_heads, max_pages=64, q_dtype=jnp.bfloat16)
   for num_splits in splits:
-    o, lse = mla_decode(*args, config=_config("pallas", num_splits, partial_dtype))
+    o, lse = mla_decode(*args, config=_config("pallas", num_splits, partial_dtype, narrow))
     _check_against_references(args, o, lse, num_splits=num_splits, partial_dtype=partial_dtype)
 
 

@@ -273,12 +273,28 @@ def test_tuning_rejects_bad_num_splits(num_splits):
     MlaDecodeTuning(num_splits=num_splits)
 
 
+@pytest.mark.parametrize("narrow", [1, "yes", 0.0])
+def test_tuning_rejects_bad_narrow(narrow):
+  with pytest.raises(ValueError, match=r"narrow must be a bool or None, got"):
+    MlaDecodeTuning(narrow=narrow)
+
+
+def test_narrow_kernel_takes_at_most_32_heads():
+  # Valid but unsupported: the transposed kernel's SMEM holds 32 head rows; impl xla ignores the knob.
+  args = mla_paged_inputs(12, [100], num_heads=40, max_pages=2, q_dtype=jnp.bfloat16)
+  narrow = lambda impl: MlaDecodeConfig(scale=K3_MLA_SCALE, impl=impl, tuning=MlaDecodeTuning(narrow=True))
+  with pytest.raises(NotImplementedError, match="narrow=True takes a bf16 kv_cache and at most 32 query heads, got "
+                                                "q_abs with 40"):
+    mla_decode(*args, config=narrow("interpret"))
+  mla_decode(*args, config=narrow("xla"))
+
+
 def test_tuning_reaches_the_split_reference():
   # 4096 tokens of one sequence: the heuristic splits them 4 ways. The same splits given explicitly are the
   # same computation (bitwise); other splits round other bf16 partials, within the bound of
   # test_split_k_bf16_partials_within_one_partial_rounding.
   args = mla_paged_inputs(11, [4096, 1000], num_heads=16, max_pages=64)
-  assert default_tuning(2, 16, 64) == MlaDecodeTuning(num_splits=4)
+  assert default_tuning(2, 16, 64) == MlaDecodeTuning(num_splits=4, narrow=False)
   run = lambda tuning: mla_decode(*args, config=MlaDecodeConfig(scale=K3_MLA_SCALE, impl="xla", tuning=tuning))
   o_default, lse_default = run(None)
   for same in (MlaDecodeTuning(), default_tuning(2, 16, 64)):

@@ -2,7 +2,7 @@
 
 Each example draws a whole decode batch: lengths with the page edges (0, 1, 63, 64, 65, full), scattered
 page ids, padding ids past each sequence's last page, ``num_splits`` from 1 to more splits than pages (or
-the heuristic), both partial dtypes, diffuse to peaky attention (a few rows aligned with a head's query,
+the heuristic), the narrow (transposed) kernel or the 64-row tiles up to 32 heads, both partial dtypes, diffuse to peaky attention (a few rows aligned with a head's query,
 whose logits stand far above the rest), and poison (NaN, +-inf or a huge value) in every cache row that is
 no token: the rows past a sequence's end and the pages no table uses. The kernel (``kernel_impl``) is
 compared with the split reference (``impl="xla"``, same splits and partial dtype) and with the float64
@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pallas_kernels import util
-from pallas_kernels.mla import MlaDecodeConfig, MlaDecodeTuning, cache_format, merge_partials, mla_decode
+from pallas_kernels.mla import MlaDecodeConfig, MlaDecodeTuning, cache_format, kernel, merge_partials, mla_decode
 from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM
 from pallas_kernels.testing import K3_MLA_SCALE, MLA_PAD_IDS, mla_decode_oracle, mla_merge_oracle
 from support import budget
@@ -26,7 +26,7 @@ ON_GPU = util.is_hopper_gpu()
 # Interpret mode simulates every warpgroup, copy and barrier, so CPU examples stay small: a few sequences of
 # up to 13 pages. Hq = 72 gives a second, mostly empty head tile. On the GPU: K3's 16 or 128 heads per
 # device (and 96: one full tile and a half-used one), contexts of up to 8K tokens.
-HEADS = (16, 64, 96, 128) if ON_GPU else (1, 5, 16, 72)
+HEADS = (11, 16, 64, 96, 128) if ON_GPU else (1, 5, 16, 72)
 MAX_BATCH = 8 if ON_GPU else 3
 MAX_PAGES = 128 if ON_GPU else 13
 POISON = (np.nan, np.inf, -np.inf, 1e30)  # bf16 holds 1e30 (max 3.4e38): a huge finite row, not just NaN
@@ -45,7 +45,7 @@ LSE_ATOL = 5e-5
 
 @st.composite
 def decode_batches(draw):
-  """``(args, num_splits, partial_dtype)``: ``args = (q [B, Hq, 576] bf16, cache bf16, table, lens)``."""
+  """``(args, tuning, partial_dtype)``: ``args = (q [B, Hq, 576] bf16, cache bf16, table, lens)``."""
   heads = draw(st.sampled_from(HEADS))
   batch = draw(st.integers(1, MAX_BATCH))
   max_pages = draw(st.integers(1, MAX_PAGES))
@@ -55,6 +55,8 @@ def decode_batches(draw):
   lens = np.array(draw(st.lists(length, min_size=batch, max_size=batch)), np.int32)
   # None is the heuristic (one split below 16 pages); max_pages + 2 splits leave some without a page.
   num_splits = draw(st.one_of(st.sampled_from([2, max_pages + 2, None]), st.integers(1, max_pages + 2)))
+  # The narrow (transposed) kernel takes up to 32 heads; None is the default (the 64-row tiles).
+  narrow = draw(st.sampled_from([None, False, True] if heads <= kernel.NARROW_MAX_HEADS else [None, False]))
   partial_dtype = draw(st.sampled_from([jnp.bfloat16, jnp.float32]))
   q_std = draw(st.sampled_from([0.3, 1.0, 2.0]))
   peaky_rows = draw(st.integers(0, 3))
@@ -84,7 +86,7 @@ def decode_batches(draw):
     flat[:n] = rows
     cache[pages] = flat.reshape(-1, PAGE_SIZE, dim)
   args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(cache, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens))
-  return args, num_splits, partial_dtype
+  return args, MlaDecodeTuning(num_splits=num_splits, narrow=narrow), partial_dtype
 
 
 def _row_rel_l2(o, ref):
@@ -96,14 +98,14 @@ def _row_rel_l2(o, ref):
 @budget(cpu=20, gpu=8)
 @given(drawn=decode_batches())
 def test_mla_decode_matches_reference_and_oracle(kernel_impl, drawn):
-  args, num_splits, partial_dtype = drawn
+  args, tuning, partial_dtype = drawn
   o_ref, lse_ref = mla_decode_oracle(*args, scale=K3_MLA_SCALE)
   live = np.asarray(args[3]) > 0
   tol = O_REL_L2[partial_dtype]
   results = {}
   for impl in ("xla", kernel_impl):
     o, lse = mla_decode(*args, config=MlaDecodeConfig(scale=K3_MLA_SCALE, partial_dtype=partial_dtype, impl=impl,
-                                                      tuning=MlaDecodeTuning(num_splits=num_splits)))
+                                                      tuning=tuning))
     assert o.shape == args[0].shape[:2] + (LATENT_DIM,) and o.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     o, lse = np.asarray(o.astype(jnp.float32), np.float64), np.asarray(lse)
     assert (o[~live] == 0).all() and np.isneginf(lse[~live]).all()
@@ -160,13 +162,14 @@ def test_mla_decode_over_an_fp8_cache_matches_the_oracle_of_its_values(kernel_im
   """The same batches with the cache (poison included) in fp8 rows: the XLA path and the kernel (which
   dequantises on chip) are attention over the values the rows hold, decoded by the test's own reading of the
   row layout, within the bf16 cache's tolerances."""
-  (q, cache, table, lens), num_splits, partial_dtype = drawn
+  (q, cache, table, lens), tuning, partial_dtype = drawn
+  tuning = MlaDecodeTuning(num_splits=tuning.num_splits)  # the narrow kernel takes a bf16 cache only
   fp8 = cache_format.quantize_rows(cache, cache_format.FP8, LATENT_DIM)
   o_ref, lse_ref = mla_decode_oracle(q, np_decode_rows(np.asarray(fp8)), table, lens, scale=K3_MLA_SCALE)
   live = np.asarray(lens) > 0
   for impl in ("xla", kernel_impl):
     o, lse = mla_decode(q, fp8, table, lens, config=MlaDecodeConfig(
-        scale=K3_MLA_SCALE, partial_dtype=partial_dtype, impl=impl, tuning=MlaDecodeTuning(num_splits=num_splits)))
+        scale=K3_MLA_SCALE, partial_dtype=partial_dtype, impl=impl, tuning=tuning))
     assert o.shape == q.shape[:2] + (LATENT_DIM,) and o.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     o, lse = np.asarray(o.astype(jnp.float32), np.float64), np.asarray(lse)
     assert (o[~live] == 0).all() and np.isneginf(lse[~live]).all()

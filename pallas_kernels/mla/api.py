@@ -41,9 +41,10 @@ def default_tuning(batch: int, num_heads: int, max_pages: int) -> MlaDecodeTunin
     batch: B, sequences of the call. num_heads: Hq, query heads. max_pages: block-table columns.
 
   Returns:
-    ``MlaDecodeTuning`` with ``num_splits`` from ``choose_num_splits``.
+    ``MlaDecodeTuning`` with ``num_splits`` from ``choose_num_splits`` and ``narrow`` False (the narrow kernel
+    is opt-in until it is measured on the GPU).
   """
-  return MlaDecodeTuning(num_splits=choose_num_splits(batch, num_heads, max_pages))
+  return MlaDecodeTuning(num_splits=choose_num_splits(batch, num_heads, max_pages), narrow=False)
 
 
 def effective_num_splits(max_pages: int, num_splits: int) -> int:
@@ -51,8 +52,9 @@ def effective_num_splits(max_pages: int, num_splits: int) -> int:
   return util.cdiv(max_pages, reference.pages_per_split(max_pages, num_splits))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "partial_dtype", "impl", "out_dtype"))
-def _mla_decode(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, partial_dtype, impl, out_dtype):
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "partial_dtype", "narrow", "impl", "out_dtype"))
+def _mla_decode(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, partial_dtype, narrow, impl,
+                out_dtype):
   seq_lens = seq_lens.astype(jnp.int32)
   if impl == "xla":
     o_parts, lse_parts = reference.mla_decode_partials_reference(
@@ -61,7 +63,7 @@ def _mla_decode(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, pa
   else:
     o_parts, lse_parts = kernel.mla_decode_partials_mosaic(
         q_abs, kv_cache, block_table, seq_lens, scale=scale, num_splits=num_splits,
-        partial_dtype=partial_dtype, interpret=impl == "interpret")
+        partial_dtype=partial_dtype, narrow=narrow, interpret=impl == "interpret")
   return merge_partials(o_parts, lse_parts, out_dtype=out_dtype)
 
 
@@ -110,10 +112,16 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
   batch, num_heads, _ = q_abs.shape
   max_pages = block_table.shape[1]
   tuning = config.tuning or MlaDecodeTuning()
-  num_splits = tuning.num_splits or default_tuning(batch, num_heads, max_pages).num_splits
+  defaults = default_tuning(batch, num_heads, max_pages)
+  num_splits = tuning.num_splits or defaults.num_splits
+  narrow = defaults.narrow if tuning.narrow is None else tuning.narrow
+  if narrow and config.impl != "xla" and (num_heads > kernel.NARROW_MAX_HEADS or cache_format.is_fp8(kv_cache.dtype)):
+    raise NotImplementedError(f"mla_decode tuning.narrow=True takes a bf16 kv_cache and at most "
+                              f"{kernel.NARROW_MAX_HEADS} query heads, got q_abs with {num_heads} and a "
+                              f"{jnp.dtype(kv_cache.dtype).name} kv_cache")
   return _mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=config.scale,
-                     num_splits=effective_num_splits(max_pages, num_splits),
-                     partial_dtype=config.partial_dtype, impl=config.impl, out_dtype=out_dtype)
+                     num_splits=effective_num_splits(max_pages, num_splits), partial_dtype=config.partial_dtype,
+                     narrow=narrow and config.impl != "xla", impl=config.impl, out_dtype=out_dtype)
 
 
 def merge_partials(o_parts: jax.Array, lse_parts: jax.Array, *,

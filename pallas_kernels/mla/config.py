@@ -31,14 +31,20 @@ class MlaDecodeTuning:
   Attributes:
     num_splits: splits S of the KV length (clamped so that no split is empty by shape); None takes
       ``mla.api.default_tuning``'s.
+    narrow: the kernels only. True: the transposed kernel for few heads (``S^T = kv @ q^T``, the heads are the
+      MMA's N), whose matrix work scales with Hq rounded up to 8 instead of a 64-row tile; Hq <= 32 and a bf16
+      cache. False: the 64-row head tiles. None takes ``mla.api.default_tuning``'s.
   """
 
   num_splits: int | None = None
+  narrow: bool | None = None
 
   def __post_init__(self):
     if self.num_splits is not None and (isinstance(self.num_splits, bool) or not isinstance(self.num_splits, int)
                                         or self.num_splits < 1):
       raise ValueError(f"num_splits must be an int >= 1 or None, got {self.num_splits!r}")
+    if self.narrow is not None and not isinstance(self.narrow, bool):
+      raise ValueError(f"narrow must be a bool or None, got {self.narrow!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -24,6 +24,7 @@ DIM = LATENT_DIM + ROPE_DIM
 COLS = LATENT_DIM // 2  # output columns per compute warpgroup
 STAGES = 2  # KV ring slots: a third [64, 576] tile would exceed the 227 KiB of SMEM
 COMPUTE_WGS = 2
+NARROW_MAX_HEADS = 32  # the narrow kernel's heads: at 64 its SMEM (q, ring, reduction scratch) would not fit
 LOG2E = util.LOG2E
 LN2 = math.log(2.0)
 INIT_MAX = -1e30  # finite: exp2(INIT_MAX - m) is 0 and never (-inf) - (-inf)
@@ -39,7 +40,8 @@ SCALE_WORD0 = ROW_WORDS - SCALE_WORDS
 SCALE_COLS = (DIM // 4 - SCALE_WORD0, DIM // 4 + 1 - SCALE_WORD0)
 
 
-def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_operands: bool, fp8: bool):
+def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_operands: bool, fp8: bool,
+          narrow: bool):
   if fp8:
     (words_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, row_smem, lse_smem, q_bar, kv_bar,
      consumed_bar, p_ready_bar, p_free_bar, tile_ready_bar, tile_free_bar) = refs
@@ -53,11 +55,16 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
   seq_len = lens_ref[b]
   first_page = split * pps
   num_pages = jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps)
-  row0 = pl.multiple_of(hb * HEAD_TILE, HEAD_TILE)
-  head_blocks = util.cdiv(out_rows, HEAD_TILE)
-  last_rows = out_rows - (head_blocks - 1) * HEAD_TILE
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
-  along_rows = lambda x, shape: lax.broadcast_in_dim(x, shape, (0,))
+  rows = q_smem.shape[0]  # head rows of a program: a 64-row tile, or narrow: all heads rounded up to 8
+  row0 = pl.multiple_of(hb * rows, rows)
+  head_blocks = util.cdiv(out_rows, rows)
+  last_rows = out_rows - (head_blocks - 1) * rows
+  # Wide: S = q @ kv^T is [heads, tokens]. Narrow: S^T = kv @ q^T is [tokens, heads], the heads being the
+  # MMA's N (a multiple of 8), so its matrix work scales with the heads instead of a 64-row tile.
+  head_axis, token_axis = (1, 0) if narrow else (0, 1)
+  head_layout = plgpu.Layout.WGMMA.reduce(token_axis)
+  along_heads = lambda x, shape: lax.broadcast_in_dim(x, shape, (head_axis,))
+  acc_shape = (COLS, rows) if narrow else (rows, COLS)  # one warpgroup's half of the output columns
 
   def zero_v_tail(tile, cols, page_start):
     """Zeroes this warpgroup's V columns of the rows past ``seq_len`` (last page only; NaN-safe ``P @ V``)."""
@@ -72,20 +79,23 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     """Where P of page i goes: one buffer (bf16); fp8: the first rows of page i's ring slot, whose values are in
     the bf16 tile by then (the slot goes back to the memory warpgroup only after ``P @ V``)."""
     if fp8:
-      return p_ring.at[lax.rem(i, STAGES), pl.ds(0, HEAD_TILE)]
+      return p_ring.at[lax.rem(i, STAGES), pl.ds(0, rows)]
     return p_smem
 
   def accumulate(acc, alpha, tile, cols, p_ref):
-    """``acc * alpha + P @ V[:, cols]`` with P from SMEM."""
-    acc = acc * along_rows(alpha, acc.shape)
+    """``acc * alpha + P @ V[:, cols]`` with P (``[rows, 64]``) from SMEM; narrow: ``V[:, cols]^T @ P^T``."""
+    acc = acc * along_heads(alpha, acc.shape)
 
     def pv(acc_ref):
-      plgpu.wgmma(acc_ref, p_ref, tile.at[:, cols])
+      if narrow:
+        plgpu.wgmma(acc_ref, tile.at[:, cols].T, p_ref.T)
+      else:
+        plgpu.wgmma(acc_ref, p_ref, tile.at[:, cols])
       if smem_operands:
         return acc_ref[...]
 
     if smem_operands:
-      return acc + pl.run_scoped(pv, plgpu.ACC((HEAD_TILE, COLS), jnp.float32))
+      return acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
     return pl.run_state(pv)(plgpu.ACC.init(acc))
 
   def release(i, slot):
@@ -115,7 +125,7 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
       x = plgpu.load(raw.at[slot, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
       # e4m3 -> f16 is exact (and the conversion Hopper has); the scale is applied in f32.
       x = x.astype(jnp.float16).astype(jnp.float32)
-      x = x * along_rows(s_pe if c * FP8_CHUNK >= LATENT_DIM else s_c, shape)
+      x = x * lax.broadcast_in_dim(s_pe if c * FP8_CHUNK >= LATENT_DIM else s_c, shape, (0,))
       kv_tile.at[:, cols][...] = jnp.where(valid, x, 0.0).astype(kv_tile.dtype)
 
   def acquire(i, w):
@@ -143,15 +153,18 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
 
   def store_rows(copy):
     """``copy(n)`` stores the first n rows of this head tile: only real heads (rounded up to 8) reach HBM."""
-    if last_rows == HEAD_TILE:
-      copy(HEAD_TILE)
+    if last_rows == rows:
+      copy(rows)
       return
-    pl.when(hb < head_blocks - 1)(lambda: copy(HEAD_TILE))
+    pl.when(hb < head_blocks - 1)(lambda: copy(rows))
     pl.when(hb == head_blocks - 1)(lambda: copy(last_rows))
 
   def epilogue(w, acc, inv_l):
-    o_stage[w] = (acc * along_rows(inv_l, acc.shape)).astype(o_stage.dtype)
+    o_stage[w] = (acc * along_heads(inv_l, acc.shape)).astype(o_stage.dtype)
     plgpu.commit_smem()
+    if narrow:  # O^T as it is: the output is [..., 512, heads] (one program holds every head)
+      plgpu.copy_smem_to_gmem(o_stage.at[w], o_ref.at[split, b, pl.ds(w * COLS, COLS)])
+      return
     store_rows(lambda n: plgpu.copy_smem_to_gmem(
         o_stage.at[w, pl.ds(0, n)], o_ref.at[split, b, pl.ds(row0, n), pl.ds(w * COLS, COLS)]))
 
@@ -168,23 +181,27 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
       page_start = (first_page + i) * PAGE_SIZE
 
       def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, tile.T)
+        if narrow:
+          plgpu.wgmma(acc_ref, tile, q_smem.T)
+        else:
+          plgpu.wgmma(acc_ref, q_smem, tile.T)
         return acc_ref[...]
 
-      s = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, PAGE_SIZE), jnp.float32)) * (scale * LOG2E)
-      token = plgpu.broadcasted_iota(jnp.int32, (HEAD_TILE, PAGE_SIZE), 1, layout=plgpu.Layout.WGMMA)
+      shape = (PAGE_SIZE, rows) if narrow else (rows, PAGE_SIZE)
+      s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32)) * (scale * LOG2E)
+      token = plgpu.broadcasted_iota(jnp.int32, shape, token_axis, layout=plgpu.Layout.WGMMA)
       s = jnp.where(token < seq_len - page_start, s, -jnp.inf)
-      m_new = jnp.maximum(m, s.max(axis=1))
+      m_new = jnp.maximum(m, s.max(axis=token_axis))
       alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s - along_rows(m_new, s.shape))
-      l = l * alpha + p.sum(axis=1)
+      p = jnp.exp2(s - along_heads(m_new, s.shape))
+      l = l * alpha + p.sum(axis=token_axis)
 
       @pl.when(i > 0)
       def _():
         plgpu.barrier_wait(p_free_bar)  # warpgroup 1 is done with the previous page's P and alpha
 
       p_ref = p_tile(i)
-      p_ref[...] = p.astype(p_ref.dtype)
+      (p_ref.T if narrow else p_ref)[...] = p.astype(p_ref.dtype)
       row_smem[...] = alpha
       if not fp8:
         zero_v_tail(tile, cols, page_start)
@@ -194,9 +211,9 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
       done(i)
       return acc, m_new, l
 
-    acc = plgpu.layout_cast(jnp.zeros((HEAD_TILE, COLS), jnp.float32), plgpu.Layout.WGMMA)
-    m = plgpu.layout_cast(jnp.full((HEAD_TILE,), INIT_MAX, jnp.float32), row_layout)
-    l = plgpu.layout_cast(jnp.zeros((HEAD_TILE,), jnp.float32), row_layout)
+    acc = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
+    m = plgpu.layout_cast(jnp.full((rows,), INIT_MAX, jnp.float32), head_layout)
+    l = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), head_layout)
     acc, m, l = lax.fori_loop(0, num_pages, page_step, (acc, m, l))
 
     @pl.when(num_pages > 0)
@@ -229,15 +246,15 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
         zero_v_tail(tile, cols, (first_page + i) * PAGE_SIZE)
         plgpu.commit_smem()
       plgpu.barrier_wait(p_ready_bar)
-      acc = accumulate(acc, plgpu.load(row_smem, layout=row_layout), tile, cols, p_tile(i))
+      acc = accumulate(acc, plgpu.load(row_smem, layout=head_layout), tile, cols, p_tile(i))
       plgpu.barrier_arrive(p_free_bar)
       done(i)
       return acc
 
-    acc = plgpu.layout_cast(jnp.zeros((HEAD_TILE, COLS), jnp.float32), plgpu.Layout.WGMMA)
+    acc = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
     acc = lax.fori_loop(0, num_pages, page_step, acc)
     plgpu.barrier_wait(p_ready_bar)  # the leader's 1 / l, and the leader is done with the ring
-    epilogue(1, acc, plgpu.load(row_smem, layout=row_layout))
+    epilogue(1, acc, plgpu.load(row_smem, layout=head_layout))
     plgpu.wait_smem_to_gmem(0)
 
   pl.when(wg == 0)(leader)
@@ -247,7 +264,7 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
   def _memory():
     if not smem_operands:
       plgpu.set_max_registers(40, action="decrease")
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, HEAD_TILE)], q_smem, q_bar)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, rows)], q_smem, q_bar)
 
     @pl.loop(0, num_pages)
     def _(i):
@@ -266,19 +283,21 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
         plgpu.copy_gmem_to_smem(kv_ref.at[page], kv_smem.at[slot], kv_bar.at[slot])
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "partial_dtype", "interpret", "smem_operands"))
-def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, partial_dtype, interpret,
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "partial_dtype", "narrow", "interpret",
+                                             "smem_operands"))
+def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, partial_dtype, narrow, interpret,
               smem_operands):
   batch, num_heads, dim = q_abs.shape
-  head_blocks = util.cdiv(num_heads, HEAD_TILE)
   out_rows = util.cdiv(num_heads, 8) * 8  # TMA stores whole 8-row groups of the tiled staging buffer
-  q_pad = jnp.pad(q_abs, ((0, 0), (0, head_blocks * HEAD_TILE - num_heads), (0, 0)))
+  rows = out_rows if narrow else HEAD_TILE  # head rows of one program
+  head_blocks = util.cdiv(num_heads, rows)
+  q_pad = jnp.pad(q_abs, ((0, 0), (0, head_blocks * rows - num_heads), (0, 0)))
   fp8 = cache_format.is_fp8(kv_cache.dtype)
   tile_dtype = jnp.bfloat16 if fp8 else kv_cache.dtype
   tile = lambda shape, dtype: plgpu.SMEM(shape, dtype, transforms=util.smem_transforms(dtype, shape[-1]))
-  o_stage = tile((COMPUTE_WGS, HEAD_TILE, COLS), partial_dtype)
+  o_stage = tile((COMPUTE_WGS,) + ((COLS, rows) if narrow else (rows, COLS)), partial_dtype)
   inputs, extra_barriers = (q_pad, kv_cache), ()
-  p_smem = (tile((HEAD_TILE, PAGE_SIZE), tile_dtype),)
+  p_smem = (tile((rows, PAGE_SIZE), tile_dtype),)
   if fp8:
     # Three groups from the same offset: the fp8 ring (then the scales and the bf16 tile); P of each page in the
     # first rows of its ring slot (a slot's values are in the tile before P is written, and the slot is reloaded
@@ -301,8 +320,9 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
     kv_bar = plgpu.Barrier(num_barriers=STAGES)
   kernel = plgpu.kernel(
       functools.partial(_body, pps=pages_per_split(block_table.shape[1], num_splits), out_rows=out_rows,
-                        scale=scale, smem_operands=smem_operands, fp8=fp8),
-      out_type=(jax.ShapeDtypeStruct((num_splits, batch, out_rows, LATENT_DIM), partial_dtype),
+                        scale=scale, smem_operands=smem_operands, fp8=fp8, narrow=narrow),
+      out_type=(jax.ShapeDtypeStruct((num_splits, batch) + ((LATENT_DIM, out_rows) if narrow else
+                                                            (out_rows, LATENT_DIM)), partial_dtype),
                 jax.ShapeDtypeStruct((num_splits, batch, out_rows), jnp.float32)),
       # Row-major: the last grid axis is the fastest (Mosaic GPU maps it to CUDA's x, dispatched first), so the
       # head blocks of one (split, sequence) run at the same time and the second reads the pages from L2.
@@ -311,43 +331,53 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
       scratch_types=(
-          tile((HEAD_TILE, dim), q_abs.dtype),
+          tile((rows, dim), q_abs.dtype),
           ring,
           *p_smem,
-          plgpu.SMEM((HEAD_TILE,), jnp.float32),
-          plgpu.SMEM((HEAD_TILE,), jnp.float32),
+          plgpu.SMEM((rows,), jnp.float32),
+          plgpu.SMEM((rows,), jnp.float32),
           plgpu.Barrier(),
           kv_bar,
           plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES),
           plgpu.Barrier(),
           plgpu.Barrier(),
       ) + extra_barriers,
-      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+      # Wide: the row reductions stay inside a warp, and SMEM has no room for scratch. Narrow: the reductions
+      # over the tokens (the rows of S^T) cross the warps, through the default scratch.
+      compiler_params=plgpu.CompilerParams(approx_math=True, **({} if narrow else dict(reduction_scratch_bytes=0))),
   )
   with mosaic_interpret.interpret_mode(interpret):
     o_parts, lse_parts = kernel(*inputs, block_table, seq_lens)
+  if narrow:
+    o_parts = jnp.swapaxes(o_parts, 2, 3)  # a small transpose that XLA fuses into the merge
   return o_parts[:, :, :num_heads], lse_parts[:, :, :num_heads]
 
 
 def mla_decode_partials_mosaic(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array,
                                seq_lens: jax.Array, *, scale: float, num_splits: int,
-                               partial_dtype: jnp.dtype, interpret: bool,
+                               partial_dtype: jnp.dtype, interpret: bool, narrow: bool = False,
                                smem_operands: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """Kernel path of ``mla_decode``: the split partials, as ``reference.mla_decode_partials_reference``.
 
   Args:
-    q_abs: ``[B, Hq, 576]`` bf16 (Hq is padded to a multiple of 64 rows inside; any Hq >= 1).
+    q_abs: ``[B, Hq, 576]`` bf16 (Hq is padded to a multiple of 64 rows inside, narrow: of 8; any Hq >= 1).
     kv_cache: ``[pages, 64, 576]`` bf16, or ``[pages, 64, 592]`` fp8 rows with their scales (``cache_format``:
       dequantised on chip into a bf16 tile). block_table: ``[B, max_pages]`` int32. seq_lens: ``[B]`` int32.
       Already validated by ``mla_decode``.
     scale: softmax scale. num_splits: splits S (each ``pages_per_split`` pages). partial_dtype: bf16/f32.
     interpret: run in Mosaic GPU interpret mode (CPU).
+    narrow: the transposed kernel (``S^T = kv @ q^T``, ``O^T = V^T @ P^T``: the heads are the MMA's N), one
+      program for all heads; its matrix work scales with Hq rounded up to 8 instead of 64. Hq <= 32, bf16 cache
+      (with an fp8 cache it hangs in interpret mode from two pages per split on: not yet understood).
     smem_operands: the interpret-safe variant (see README.md); None = ``interpret``.
 
   Returns:
     ``o_parts [S, B, Hq, 512]`` in ``partial_dtype`` (normalised) and ``lse_parts [S, B, Hq]`` f32 natural
     log; an empty split is ``(0, -inf)``.
   """
+  if narrow and (q_abs.shape[1] > NARROW_MAX_HEADS or cache_format.is_fp8(kv_cache.dtype)):
+    raise NotImplementedError(f"the narrow MLA decode kernel takes a bf16 cache and at most {NARROW_MAX_HEADS} "
+                              f"heads, got {q_abs.shape[1]} and {jnp.dtype(kv_cache.dtype).name}")
   return _partials(q_abs, kv_cache, block_table, seq_lens, scale=scale, num_splits=num_splits,
-                   partial_dtype=jnp.dtype(partial_dtype), interpret=interpret,
+                   partial_dtype=jnp.dtype(partial_dtype), narrow=narrow, interpret=interpret,
                    smem_operands=interpret if smem_operands is None else smem_operands)
