@@ -55,7 +55,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks._harness import cupti_kernels  # noqa: E402
 from pallas_kernels.mla import (MlaDecodeConfig, MlaDecodeTuning, api, cache_format, default_tuning,  # noqa: E402
-                                kernel, mla_decode)
+                                mla_decode)
 from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM  # noqa: E402
 from pallas_kernels.testing import K3_MLA_SCALE  # noqa: E402
 
@@ -205,8 +205,9 @@ def main() -> None:
   parser.add_argument("--copy-gib", type=float, default=2.0, help="array size of the copy measurement")
   parser.add_argument("--json", help="also append one JSON line per measurement to this file")
   parser.add_argument("--no-flashmla", action="store_true", help="time ours alone, without the FlashMLA column")
-  parser.add_argument("--narrow", action="store_true",
-                      help="the narrow (transposed) kernel where it applies: a bf16 cache and Hq <= 32")
+  parser.add_argument("--wide", action="store_true",
+                      help="the 64-row head tiles everywhere (the default tuning takes the narrow, transposed "
+                           "kernel where it applies: a bf16 cache and Hq <= 32)")
   args = parser.parse_args()
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
   flashmla_skip = "--no-flashmla" if args.no_flashmla else flashmla_skip_reason()
@@ -222,9 +223,9 @@ def main() -> None:
   order = jax.random.permutation(kp, num_pages).astype(jnp.int32)
   print("caches of " + ", ".join(f"{num_pages} pages of {name} ({c.nbytes / 2**30:.1f} GiB)" for name, c in
                                  caches.items()) + "\n", flush=True)
-  if args.narrow:
-    print(f"the narrow (transposed) kernel on the bf16 cache at Hq <= {kernel.NARROW_MAX_HEADS}", flush=True)
-  header = (f"{'B':>4} {'ctx':>7} {'Hq':>4} {'cache':>13} {'partial':>8} {'splits':>6} {'time us':>9} {'TB/s':>6} "
+  if args.wide:
+    print("the 64-row head tiles at every Hq (--wide)", flush=True)
+  header = (f"{'B':>4} {'ctx':>7} {'Hq':>4} {'cache':>13} {'partial':>8} {'splits':>6} {'tiles':>6} {'time us':>9} {'TB/s':>6} "
             f"{'of copy':>7} {'merge us':>9} {'of call':>7} {'xla us':>9} {'speedup':>7} {'TFLOP/s':>7} "
             f"{'fmla us':>9} {'graph us':>9} {'vs ours':>7} {'rel err':>8} {'fp8 err':>8} {'vs bf16':>7}")
   print(header, flush=True)
@@ -251,14 +252,15 @@ def main() -> None:
     flops = decode_flops(batch, heads, context)
     for partial, (cache_name, cache) in itertools.product((jnp.bfloat16, jnp.float32), caches.items()):
       faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
-      narrow = args.narrow and cache_name == "bfloat16" and heads <= kernel.NARROW_MAX_HEADS
+      tuning = default_tuning(batch, heads, pps, cache_dtype=cache.dtype)
+      narrow = tuning.narrow and not args.wide
       config = MlaDecodeConfig(scale=K3_MLA_SCALE, partial_dtype=partial, impl=args.impl,
-                               tuning=MlaDecodeTuning(narrow=True) if narrow else None)
+                               tuning=MlaDecodeTuning(narrow=False) if args.wide else None)
       f = jax.jit(lambda *a, config=config: mla_decode(*a, config=config))
       sec = time_call(f, q, cache, table, lens)
       kv_bytes = batch * context * cache.shape[-1] * cache.dtype.itemsize
       tbs = kv_bytes / sec / 1e12
-      splits = api.effective_num_splits(pps, default_tuning(batch, heads, pps).num_splits)
+      splits = api.effective_num_splits(pps, tuning.num_splits)
       merge = merge_device_us(f, q, cache, table, lens)
       merge_txt = f"{merge[0]:9.1f} {merge[1]:7.1%}" if merge else f"{'-':>9} {'-':>7}"
       row = dict(batch=batch, context=context, heads=heads, cache=cache_name, partial=jnp.dtype(partial).name,
@@ -286,7 +288,7 @@ def main() -> None:
         fmla_txt = f"{called * 1e6:9.1f} {graph_txt} {best / sec:6.2f}x {row['flashmla_rel_err']:8.1e}"
       vs_txt = (f"{row['bf16_rel_err']:8.1e} {row['vs_bf16']:6.2f}x" if row["vs_bf16"] is not None
                 else f"{'-':>8} {'-':>7}")
-      print(f"{batch:4d} {context:7d} {heads:4d} {cache_name:>13} {row['partial']:>8} {splits:6d} {sec * 1e6:9.1f} "
+      print(f"{batch:4d} {context:7d} {heads:4d} {cache_name:>13} {row['partial']:>8} {splits:6d} {'narrow' if narrow else '64-row':>6} {sec * 1e6:9.1f} "
             f"{tbs:6.2f} {tbs / copy_tbs:7.0%} {merge_txt} {xla_txt} {row['tflops']:7.1f} {fmla_txt} {vs_txt}",
             flush=True)
       if out:

@@ -35,12 +35,12 @@ def test_benchmark_summaries_quote_peer_ratios(tmp_path: pathlib.Path):
                                                 ratio_fla=1.37, ratio_flashkda=0.74)])))
   assert gpu_check._kda_prefill("", path) == "N=1 T=8192 H=96 1.900 ms, 50% of roofline, 1.37x FLA, 0.74x FlashKDA"
   path.write_text("\n".join(json.dumps(dict(batch=32, context=32768, heads=h, cache=c, partial="float32", time_us=t,
-                                            frac_copy=f, ratio_flashmla=r, vs_bf16=v))
-                            for h, c, t, f, r, v in ((16, "bfloat16", 292.0, 0.98, None, None),
-                                                     (16, "float8_e4m3fn", 160.0, 0.93, None, 1.83),
-                                                     (128, "bfloat16", 600.0, 0.47, 0.87, None))))
+                                            frac_copy=f, ratio_flashmla=r, vs_bf16=v, narrow=n))
+                            for h, c, t, f, r, v, n in ((16, "bfloat16", 292.0, 0.98, None, None, True),
+                                                        (16, "float8_e4m3fn", 160.0, 0.93, None, 1.83, False),
+                                                        (128, "bfloat16", 600.0, 0.47, 0.87, None, False))))
   summary = gpu_check._mla_decode("", path)
-  assert "Hq=16 float32 292.0 us, 98% of copy;" in summary
+  assert "Hq=16 narrow float32 292.0 us, 98% of copy;" in summary
   assert "Hq=16 float8_e4m3fn cache float32 160.0 us, 93% of copy, 1.83x bf16 cache;" in summary
   assert summary.endswith("Hq=128 float32 600.0 us, 47% of copy, 0.87x FlashMLA")
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from layer_oracles import tiny
-from test_model import MAX_LEN, T, Runner, tokens_for
+from test_model import T, Runner, tokens_for
 
 from k3jax import ops
 from k3jax.cache import init_cache

@@ -96,11 +96,11 @@ def test_tuning_reaches_the_kernel(kernel_impl):
   # explicitly is the same kernel call (bitwise); two splits run another grid whose bf16 partials round
   # differently, and both are within the kernel's tolerance of the references.
   args = mla_paged_inputs(28, [4 * PAGE_SIZE, 100], num_heads=16, max_pages=4, q_dtype=jnp.bfloat16)
-  assert default_tuning(2, 16, 4) == MlaDecodeTuning(num_splits=1, narrow=False)
+  assert default_tuning(2, 16, 4, cache_dtype=jnp.bfloat16) == MlaDecodeTuning(num_splits=1, narrow=True)
   run = lambda tuning: mla_decode(*args, config=MlaDecodeConfig(scale=K3_MLA_SCALE, impl=kernel_impl,
                                                                   tuning=tuning))
   o_default, lse_default = run(None)
-  o_same, lse_same = run(default_tuning(2, 16, 4))
+  o_same, lse_same = run(default_tuning(2, 16, 4, cache_dtype=jnp.bfloat16))
   np.testing.assert_array_equal(np.asarray(o_same.astype(jnp.float32)), np.asarray(o_default.astype(jnp.float32)))
   np.testing.assert_array_equal(np.asarray(lse_same), np.asarray(lse_default))
   o_two, lse_two = run(MlaDecodeTuning(num_splits=2))

@@ -55,7 +55,7 @@ def decode_batches(draw):
   lens = np.array(draw(st.lists(length, min_size=batch, max_size=batch)), np.int32)
   # None is the heuristic (one split below 16 pages); max_pages + 2 splits leave some without a page.
   num_splits = draw(st.one_of(st.sampled_from([2, max_pages + 2, None]), st.integers(1, max_pages + 2)))
-  # The narrow (transposed) kernel takes up to 32 heads; None is the default (the 64-row tiles).
+  # The narrow (transposed) kernel takes up to 32 heads; None is the default (narrow where it applies).
   narrow = draw(st.sampled_from([None, False, True] if heads <= kernel.NARROW_MAX_HEADS else [None, False]))
   partial_dtype = draw(st.sampled_from([jnp.bfloat16, jnp.float32]))
   q_std = draw(st.sampled_from([0.3, 1.0, 2.0]))

@@ -85,6 +85,7 @@ _kda_decode = _each(lambda r: f"N={r['N']} H={r['H']} {r['state']} {r['ours_us']
 _short_conv = _each(lambda r: f"{r['phase']} N={r['N']} H={r['H']} {r['conv_us']:.1f} us, "
                               f"{r['conv_xla_us'] / r['conv_us']:.2f}x XLA")
 _mla_decode = _each(lambda r: f"B={r['batch']} ctx={r['context']} Hq={r['heads']} "
+                              f"{'narrow ' if r.get('narrow') else ''}"
                               f"{'' if r.get('cache', 'bfloat16') == 'bfloat16' else r['cache'] + ' cache '}"
                               f"{r['partial']} {r['time_us']:.1f} us, {r['frac_copy']:.0%} of copy"
                               f"{_ratio(r, 'ratio_flashmla', 'FlashMLA')}{_ratio(r, 'vs_bf16', 'bf16 cache')}")

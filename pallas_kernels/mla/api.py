@@ -34,17 +34,20 @@ def choose_num_splits(batch: int, num_heads: int, max_pages: int) -> int:
   return next(s for s in range(1, max_splits + 1) if efficiency(s) >= 0.85 * best)
 
 
-def default_tuning(batch: int, num_heads: int, max_pages: int) -> MlaDecodeTuning:
+def default_tuning(batch: int, num_heads: int, max_pages: int, *, cache_dtype: jax.typing.DTypeLike) -> MlaDecodeTuning:
   """The tuning ``mla_decode`` takes for ``config.tuning=None`` (and for each None field of a given tuning).
 
   Args:
     batch: B, sequences of the call. num_heads: Hq, query heads. max_pages: block-table columns.
+    cache_dtype: the kv_cache's dtype (bf16 or fp8; the narrow kernel takes bf16 only).
 
   Returns:
-    ``MlaDecodeTuning`` with ``num_splits`` from ``choose_num_splits`` and ``narrow`` False (the narrow kernel
-    is opt-in until it is measured on the GPU).
+    ``MlaDecodeTuning`` with ``num_splits`` from ``choose_num_splits``, and ``narrow`` True wherever the narrow
+    kernel applies (Hq <= ``kernel.NARROW_MAX_HEADS`` with a bf16 cache): there it skips the padding rows of the
+    64-row head tile, so its page loads, not its matrix work, bound each page.
   """
-  return MlaDecodeTuning(num_splits=choose_num_splits(batch, num_heads, max_pages), narrow=False)
+  narrow = num_heads <= kernel.NARROW_MAX_HEADS and jnp.dtype(cache_dtype) == jnp.bfloat16
+  return MlaDecodeTuning(num_splits=choose_num_splits(batch, num_heads, max_pages), narrow=narrow)
 
 
 def effective_num_splits(max_pages: int, num_splits: int) -> int:
@@ -112,7 +115,7 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
   batch, num_heads, _ = q_abs.shape
   max_pages = block_table.shape[1]
   tuning = config.tuning or MlaDecodeTuning()
-  defaults = default_tuning(batch, num_heads, max_pages)
+  defaults = default_tuning(batch, num_heads, max_pages, cache_dtype=kv_cache.dtype)
   num_splits = tuning.num_splits or defaults.num_splits
   narrow = defaults.narrow if tuning.narrow is None else tuning.narrow
   if narrow and config.impl != "xla" and (num_heads > kernel.NARROW_MAX_HEADS or cache_format.is_fp8(kv_cache.dtype)):

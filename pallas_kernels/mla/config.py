@@ -33,7 +33,7 @@ class MlaDecodeTuning:
       ``mla.api.default_tuning``'s.
     narrow: the kernels only. True: the transposed kernel for few heads (``S^T = kv @ q^T``, the heads are the
       MMA's N), whose matrix work scales with Hq rounded up to 8 instead of a 64-row tile; Hq <= 32 and a bf16
-      cache. False: the 64-row head tiles. None takes ``mla.api.default_tuning``'s.
+      cache. False: the 64-row head tiles. None takes ``mla.api.default_tuning``'s (narrow wherever it applies).
   """
 
   num_splits: int | None = None
