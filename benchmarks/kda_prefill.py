@@ -77,9 +77,7 @@ def bench(fn, iters: int, reps: int = 5) -> float:
   return float(np.median(times))
 
 
-def ours_runner(x, lens, H: int, *, state_dtype=jnp.float32, per_seq_ckpt: int = 0):
-  """``(run, o)``: ``run(n)`` makes n back-to-back jitted ``kda_prefill`` calls (pool donated and threaded
-  through) and blocks; ``o`` is the first call's output (f32 NumPy)."""
+def ours(x, lens, H: int, *, state_dtype=jnp.float32, per_seq_ckpt: int = 0, iters: int = 20):
   N = len(lens)
   ind, off, slots = checkpoints(lens, per_seq_ckpt) if per_seq_ckpt else (
       np.zeros(N + 1, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
@@ -109,27 +107,7 @@ def ours_runner(x, lens, H: int, *, state_dtype=jnp.float32, per_seq_ckpt: int =
       out, state["pool"] = f(*args, state["pool"], *tail)
     jax.block_until_ready(out)
 
-  return run, o
-
-
-def ours(x, lens, H: int, *, iters: int = 20, **variant):
-  run, o = ours_runner(x, lens, H, **variant)
   return bench(run, iters), o
-
-
-def interleaved(runs: dict, iters: int = 20, rounds: int = 7) -> dict:
-  """Median ms per call of each ``run`` in ``runs``, timed in turns (one batch of ``iters`` calls of each per
-  round), so that drift in clocks or temperature during the measurement falls on every variant alike: the
-  overheads of a few percent that issue [6/7] bounds are smaller than the spread of separate runs."""
-  for run in runs.values():
-    run(1)
-  times = {name: [] for name in runs}
-  for _ in range(rounds):
-    for name, run in runs.items():
-      t = time.perf_counter()
-      run(iters)
-      times[name].append((time.perf_counter() - t) / iters * 1e3)
-  return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def _torch_inputs(x):
@@ -310,12 +288,9 @@ def main():
       row.update({f"{peer}_called_ms": t_called, f"{peer}_graph_ms": t_graph, f"ratio_{peer}": best / t_ours,
                   f"rel_rmse_vs_{peer}": float(np.sqrt(np.mean((o - o_peer) ** 2)) / np.sqrt(np.mean(o_peer ** 2)))})
     if name in (SHAPES[0][0], SHAPES[2][0]) and not args.quick:
-      variants = dict(base=dict(), bf16_state=dict(state_dtype=jnp.bfloat16), ckpt1=dict(per_seq_ckpt=1),
-                      ckpt4=dict(per_seq_ckpt=4))
-      timed = interleaved({v: ours_runner(x, lens, H, **kw)[0] for v, kw in variants.items()})
-      row["interleaved_base_ms"] = timed.pop("base")
-      for v, ms in timed.items():
-        row[f"{v}_ms"], row[f"{v}_overhead"] = ms, ms / row["interleaved_base_ms"] - 1
+      row["bf16_state_ms"], _ = ours(x, lens, H, state_dtype=jnp.bfloat16)
+      row["ckpt1_ms"], _ = ours(x, lens, H, per_seq_ckpt=1)
+      row["ckpt4_ms"], _ = ours(x, lens, H, per_seq_ckpt=4)
     results.append(row)
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
   if args.json:
