@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks._harness import COPY_BYTES_PER_S, PEAK_BF16_FLOPS
+from benchmarks._harness import COPY_BYTES_PER_S, PEAK_BF16_FLOPS, cupti_kernels
 from pallas_kernels import kda
 from pallas_kernels.kda.config import CHUNK_SIZE as C
 from pallas_kernels.testing import kda_gate_params, kda_inputs
@@ -77,7 +77,9 @@ def bench(fn, iters: int, reps: int = 5) -> float:
   return float(np.median(times))
 
 
-def ours(x, lens, H: int, *, state_dtype=jnp.float32, per_seq_ckpt: int = 0, iters: int = 20):
+def ours_runner(x, lens, H: int, *, state_dtype=jnp.float32, per_seq_ckpt: int = 0):
+  """``(run, o)``: ``run(n)`` makes n back-to-back jitted ``kda_prefill`` calls (the pool donated and threaded
+  through) and blocks; ``o`` is the first call's output (f32 NumPy)."""
   N = len(lens)
   ind, off, slots = checkpoints(lens, per_seq_ckpt) if per_seq_ckpt else (
       np.zeros(N + 1, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
@@ -107,7 +109,22 @@ def ours(x, lens, H: int, *, state_dtype=jnp.float32, per_seq_ckpt: int = 0, ite
       out, state["pool"] = f(*args, state["pool"], *tail)
     jax.block_until_ready(out)
 
+  return run, o
+
+
+def ours(x, lens, H: int, *, iters: int = 20, **variant):
+  run, o = ours_runner(x, lens, H, **variant)
   return bench(run, iters), o
+
+
+def kernel_ms(run, iters: int = 20) -> float:
+  """Device time per call (ms): the sum of every kernel's CUPTI duration over ``iters`` calls, divided by
+  ``iters``. Host dispatch and the gaps between launches do not count, so two variants of a call compare to a
+  fraction of a percent where wall times of separate runs spread by several."""
+  run(1)
+  with cupti_kernels() as records:
+    run(iters)
+  return sum(ms for _, ms in records) / iters
 
 
 def _torch_inputs(x):
@@ -288,9 +305,16 @@ def main():
       row.update({f"{peer}_called_ms": t_called, f"{peer}_graph_ms": t_graph, f"ratio_{peer}": best / t_ours,
                   f"rel_rmse_vs_{peer}": float(np.sqrt(np.mean((o - o_peer) ** 2)) / np.sqrt(np.mean(o_peer ** 2)))})
     if name in (SHAPES[0][0], SHAPES[2][0]) and not args.quick:
-      row["bf16_state_ms"], _ = ours(x, lens, H, state_dtype=jnp.bfloat16)
-      row["ckpt1_ms"], _ = ours(x, lens, H, per_seq_ckpt=1)
-      row["ckpt4_ms"], _ = ours(x, lens, H, per_seq_ckpt=4)
+      # Wall time (as ours_ms) and device time of each variant; the overhead is a ratio of device times.
+      variants = dict(base=dict(), bf16_state=dict(state_dtype=jnp.bfloat16), ckpt1=dict(per_seq_ckpt=1),
+                      ckpt4=dict(per_seq_ckpt=4))
+      for v, kw in variants.items():
+        run, _ = ours_runner(x, lens, H, **kw)
+        if v != "base":
+          row[f"{v}_ms"] = bench(run, 20)
+        row[f"{v}_kernel_ms"] = kernel_ms(run)
+        if v != "base":
+          row[f"{v}_overhead"] = row[f"{v}_kernel_ms"] / row["base_kernel_ms"] - 1
     results.append(row)
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
   if args.json:
