@@ -54,5 +54,6 @@ def smoke_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
           plgpu.SMEM((TILE, TILE), jnp.float32),
           plgpu.Barrier(num_barriers=2),
       ),
+      compiler_params=util.compiler_params(),
   )
   return kernel(a, b)

@@ -4,8 +4,10 @@ hardware constants.
 Every check raises ``ValueError`` (bad input) naming the argument, what was expected and what was given.
 """
 
+import contextlib
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,11 @@ IMPLS: tuple[str, ...] = ("xla", "pallas", "interpret")
 # same grids (and the CPU tests draw the GPU's choices).
 NUM_SMS = 132
 LOG2E = math.log2(math.e)
+# Mosaic GPU's on-device profiler, for every kernel traced while PROFILE_DIR_ENV names a directory: each
+# warpgroup records the entry and exit times of the kernel's named regions (``jax.named_scope``) into SMEM, and
+# each kernel call writes a Chrome trace (``*-trace.json``) there; benchmarks/kernel_profile.py summarises them.
+PROFILE_DIR_ENV = "K3JAX_PROFILE_DIR"
+PROFILE_SPACE_ENV = "K3JAX_PROFILE_SPACE"  # regions recorded per warpgroup (default 512; later ones are dropped)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -97,6 +104,40 @@ def concrete(x) -> np.ndarray | None:
   if isinstance(x, jax.Array) and x.is_fully_replicated:
     return np.asarray(x.addressable_shards[0].data)
   return np.asarray(x)
+
+
+def compiler_params(**kwargs) -> plgpu.CompilerParams:
+  """``plgpu.CompilerParams(**kwargs)`` of a kernel, with the on-device profiler switched on where the
+  environment asks for it (``PROFILE_DIR_ENV``, read when the kernel is traced).
+
+  The profile buffer takes ``4 * 4 * space`` bytes of SMEM per warpgroup, so a kernel at the SMEM limit (the
+  MLA decode with 64-row head tiles) fails to compile with it; and the timer reads add a few cycles per region.
+  """
+  profile_dir = os.environ.get(PROFILE_DIR_ENV)
+  if profile_dir:
+    space = int(os.environ.get(PROFILE_SPACE_ENV, "512"))
+    if space < 1:
+      raise ValueError(f"{PROFILE_SPACE_ENV} must be an int >= 1, got {space}")
+    kwargs.update(profile_space=space, profile_dir=profile_dir, profile_bounds_check=True)
+  return plgpu.CompilerParams(**kwargs)
+
+
+class Phases:
+  """Consecutive named regions of a kernel body, for the profiler of ``compiler_params`` (free otherwise).
+
+  ``phases.start(name)`` closes the open region and opens ``name``; ``phases.end()`` closes it. A kernel marks
+  its phases with one line each instead of nesting its body in ``with jax.named_scope(...)`` blocks.
+  """
+
+  def __init__(self):
+    self._open = contextlib.ExitStack()
+
+  def start(self, name: str) -> None:
+    self._open.close()
+    self._open.enter_context(jax.named_scope(name))
+
+  def end(self) -> None:
+    self._open.close()
 
 
 def smem_transforms(dtype, cols: int) -> tuple:

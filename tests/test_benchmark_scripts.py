@@ -1,5 +1,5 @@
 """CPU smoke runs of benchmarks/mla_prefill.py, benchmarks/long_prompt.py and benchmarks/prefix_cache.py at tiny
-sizes (f32, impl xla)."""
+sizes (f32, impl xla), and kernel_profile.py's trace summary on a made-up trace."""
 
 import argparse
 import contextlib
@@ -17,7 +17,7 @@ _ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
-from benchmarks import _harness, long_prompt, mla_prefill, prefix_cache  # noqa: E402
+from benchmarks import _harness, kernel_profile, long_prompt, mla_prefill, prefix_cache  # noqa: E402
 
 
 def test_mla_prefill_smoke(tmp_path, capsys):
@@ -125,3 +125,24 @@ def test_long_prompt_profile_sorts_kernels_into_families(monkeypatch):
 def test_long_prompt_profile_needs_a_gpu():
   with pytest.raises(NotImplementedError, match="--profile"):
     long_prompt.main(["--tiny", "--dtype", "float32", "--profile", "--watchdog", "0"])
+
+
+def test_kernel_profile_summarises_phases_per_program(tmp_path):
+  # Two programs (tids) of the profiler's Chrome trace format: a phase "a" once and a phase "b" twice per
+  # program (the second time nested in "c"), times in thousands of cycles, events not in time order within a file.
+  def trace(tid, t0, b_times):
+    events = [dict(name="a", ph="B", ts=t0, tid=tid), dict(name="a", ph="E", ts=t0 + 1.0, tid=tid),
+              dict(name="b", ph="B", ts=t0 + 1.0, tid=tid), dict(name="b", ph="E", ts=t0 + 1.0 + b_times[0], tid=tid),
+              dict(name="c", ph="B", ts=t0 + 5.0, tid=tid), dict(name="b", ph="B", ts=t0 + 5.0, tid=tid),
+              dict(name="b", ph="E", ts=t0 + 5.0 + b_times[1], tid=tid), dict(name="c", ph="E", ts=t0 + 8.0, tid=tid)]
+    return events[::-1]
+
+  path = tmp_path / "1-trace.json"
+  path.write_text(json.dumps(dict(traceEvents=trace(1, 0.0, (2.0, 3.0)) + trace(2, 100.0, (2.0, 1.0)))))
+  (summary,) = kernel_profile.summarise(str(tmp_path))
+  assert summary["programs"] == 2 and summary["span_kcycles"] == pytest.approx(8.0)
+  a, b, c = (summary["phases"][n] for n in "abc")
+  assert a["per_program"] == 1 and a["median_kcycles"] == pytest.approx(1.0) and a["share"] == pytest.approx(1 / 8)
+  assert b["per_program"] == 2 and b["median_kcycles"] == pytest.approx(2.0)
+  assert b["total_kcycles"] == pytest.approx(4.0)  # the median of 5 and 3
+  assert c["total_kcycles"] == pytest.approx(3.0)

@@ -1,5 +1,6 @@
 import jax
 import jax.numpy as jnp
+import pytest
 
 from pallas_kernels import util
 from pallas_kernels.kda import KdaConfig
@@ -25,3 +26,30 @@ def test_configs_canonicalise_dtypes_and_hash_alike():
   c = MlaDecodeConfig(scale=0.5, partial_dtype=jnp.float32, impl="xla", tuning=MlaDecodeTuning(num_splits=2))
   d = MlaDecodeConfig(scale=1 / 2, partial_dtype="float32", impl="xla", tuning=MlaDecodeTuning(num_splits=2))
   assert c.partial_dtype == jnp.dtype("float32") and c == d and hash(c) == hash(d)
+
+
+def test_compiler_params_switch_the_profiler_on_from_the_environment(monkeypatch):
+  monkeypatch.delenv(util.PROFILE_DIR_ENV, raising=False)
+  plain = util.compiler_params(approx_math=True)
+  assert plain.approx_math and plain.profile_space == 0 and plain.profile_dir == ""
+  monkeypatch.setenv(util.PROFILE_DIR_ENV, "/tmp/traces")
+  monkeypatch.setenv(util.PROFILE_SPACE_ENV, "64")
+  on = util.compiler_params(approx_math=True)
+  assert on.approx_math and on.profile_space == 64 and on.profile_dir == "/tmp/traces" and on.profile_bounds_check
+  monkeypatch.setenv(util.PROFILE_SPACE_ENV, "0")
+  with pytest.raises(ValueError, match=f"{util.PROFILE_SPACE_ENV} must be an int >= 1, got 0"):
+    util.compiler_params()
+
+
+def test_phases_name_consecutive_regions():
+  def body(x):
+    phases = util.Phases()
+    phases.start("first")
+    y = x + 1
+    phases.start("second")
+    z = y * 2
+    phases.end()
+    return z - 1
+
+  eqns = jax.make_jaxpr(body)(1.0).eqns
+  assert [str(e.source_info.name_stack) for e in eqns] == ["first", "second", ""]

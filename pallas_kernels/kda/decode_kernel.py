@@ -205,7 +205,8 @@ def _launch(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool_ref, state_indices, n
         plgpu.Barrier(num_barriers=6),
     )
   kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((n, steps, h, vdim), q.dtype),
-                        grid=(vdim // block, h, n), grid_names=("vb", "h", "n"), scratch_types=scratch)
+                        grid=(vdim // block, h, n), grid_names=("vb", "h", "n"), scratch_types=scratch,
+                        compiler_params=util.compiler_params())
   # The one-token kernel never reads num_accepted: pass the slots in its place rather than build an array.
   accepted = num_accepted.astype(jnp.int32) if speculative else state_indices
   return kernel(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_indices, accepted, pool_ref)

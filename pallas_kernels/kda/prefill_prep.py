@@ -13,6 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import util
 from pallas_kernels.kda._mosaic import COLV, ROWV, WG, bcast_cols, bcast_rows, bf16, f32, tiled
 from pallas_kernels.kda.config import CHUNK_SIZE as C
 from pallas_kernels.kda.kernel_math import GATE_FLOOR, L2NORM_EPS, gate
@@ -78,6 +79,8 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
 
   @pl.when(n > 0)
   def _():
+    phases = util.Phases()  # named regions for the on-device profiler (util.compiler_params)
+    phases.start("issue")
     plgpu.copy_gmem_to_smem(g_ref.at[pl.ds(t0, C), h], raw_g, bar_g.at[0])
     for src, dst in ((q_ref, raw_q), (k_ref, raw_k), (v_ref, raw_v)):
       plgpu.copy_gmem_to_smem(src.at[pl.ds(t0, C), h], dst, bar_qkv.at[0])
@@ -93,6 +96,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     # over a token at the floor is below f32's smallest value either way) but keeps the chunk's cumulative
     # sums small enough that differences of them keep their precision after an extreme token (e.g. -1e13
     # with a huge A_log). A lower bound above the floor needs none, so that path has no extra op.
+    phases.start("gate")
     plgpu.barrier_wait(bar_g.at[0])
     g = gate(load_rows(raw_g) + bcast_cols(dtb, (C, K)), a, lower_bound) * bcast_rows(validf * LOG2E, (C, K))
     if lower_bound is None or lower_bound * LOG2E < GATE_FLOOR:
@@ -100,6 +104,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     plgpu.commit_smem()  # raw_g is read in every warp before its memory takes the split gate
 
     # G[r] = sum_{s<=r} g[s] as a matmul with a lower-triangular ones matrix, g split into bf16 parts.
+    phases.start("cumsum")
     r_cc, c_cc = iota((C, C), 0), iota((C, C), 1)
     tril[...] = jnp.where(c_cc <= r_cc, 1.0, 0.0).astype(bf16)
     for dst, part in zip(gsplit, split(g, len(gsplit))):
@@ -109,6 +114,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     plgpu.commit_smem()  # the cumsum's operands are dead in every warp before g_pad reuses their memory
 
     # G rows read back as per-column vectors (anchors, last row) from an f32 copy; the anchors move to
+    phases.start("anchors")
     # anchors_s, outside the union, because the tiles overwrite g_pad's memory.
     g_pad, k_pad = ph_diag.at[0], None if bounded else ph_diag.at[1]
     g_pad[pl.ds(SUB, C), :] = G
@@ -124,6 +130,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
       ex = jnp.where(blk == b, G - bcast_cols(nu_b, (C, K)), ex)
     d_row = jnp.exp2(ex)
 
+    phases.start("qkv")
     plgpu.barrier_wait(bar_qkv.at[0])
     bv = load_rows(raw_v) * bcast_rows(beta, (C, V))
     plgpu.commit_smem()  # raw_v read in every warp
@@ -133,6 +140,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     r64, c64 = iota((C, C), 0), iota((C, C), 1)
     zeros_cc = plgpu.layout_cast(jnp.zeros((C, C), f32), WG)  # the accumulators' layout, explicit
     if not bounded:
+      phases.start("diagonal")
       # Diagonal 16x16 blocks pairwise: A[r, r-d] from row-shifted copies of k and G. The SUB rows above
       # the copies hold stale data: row r reads them only for r < d, a row `hit` never selects.
       k = load_l2norm(raw_k, validf)
@@ -155,6 +163,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     # raw_q is read and every g_pad read is done in every warp before their memory takes the tiles.
     plgpu.commit_smem()
 
+    phases.start("tiles")
     # Tiles. Every factor is a pairwise-safe exponent (see README.md): 2^(G - G_anchor) bounded by ±58
     # (lower-bound gate) or <= 1 (softplus gate), 2^G, 2^(G_last - G) and the keys' 2^(ν_b - G) <= 2^58,
     # with keys past block b cut to 2^-inf = 0 by a per-row -inf added to the exponent.
@@ -172,6 +181,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     plgpu.copy_smem_to_gmem(stage_b, kg_ref.at[c, h])
     decay_ref[c, h] = jnp.exp2(g_last)
 
+    phases.start("aqk_l")
     # Block row b of Aqk and L from the keys of block b (block rows are selected after the matmul); the
     # key tiles take stage_a/stage_b in pairs once the qg/kg stores have read them.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -200,6 +210,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     plgpu.copy_smem_to_gmem(aqk_s, aqk_ref.at[c, h])
 
     # (I + L)^-1 by recursive block doubling.
+    phases.start("inverse")
     p = jnp.where(c64 == r64, 1.0, 0.0) - jnp.where((r64 // 2 == c64 // 2), lmat, 0.0)
     s = 2
     while s < C:
@@ -213,6 +224,8 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     p_s[...] = p.astype(bf16)
     plgpu.commit_smem()
 
+    phases.start("w_u")
+
     def w_and_u(acc_w, acc_u):
       plgpu.wgmma(acc_w, p_s, bk_s)
       plgpu.wgmma(acc_u, p_s, bv_s)
@@ -225,7 +238,9 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(bk_s, neg_w_ref.at[c, h])
     plgpu.copy_smem_to_gmem(bv_s, u_ref.at[c, h])
+    phases.start("store_wait")
     plgpu.wait_smem_to_gmem(0)
+    phases.end()
 
 
 def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_t: jax.Array, A_log: jax.Array,
@@ -265,5 +280,5 @@ def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_t: jax
              plgpu.Barrier(num_arrivals=1, num_barriers=1), plgpu.Barrier(num_arrivals=3, num_barriers=1)]
   body = functools.partial(_prep_body, K=K, V=V, scale=scale, lower_bound=lower_bound)
   return plgpu.kernel(body, out_type=out_type, grid=(S, H), grid_names=("c", "h"), scratch_types=scratch,
-                      compiler_params=plgpu.CompilerParams(approx_math=True))(
+                      compiler_params=util.compiler_params(approx_math=True))(
       chunk_tok, chunk_len, q, k, v, g_raw, beta_t, A_log, dt_bias)

@@ -13,6 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import util
 from pallas_kernels.kda._mosaic import COLV, WG, bcast_cols, bf16, f32, tiled
 from pallas_kernels.kda.config import CHUNK_SIZE as C
 
@@ -33,6 +34,7 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
   t0 = tok_ref[n]
   seq_len = len_ref[n]
   slot = slot_ref[n]
+  phases = util.Phases()  # named regions for the on-device profiler (util.compiler_params)
 
   def issue(i, st):
     gc = cs + i
@@ -44,6 +46,7 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
     plgpu.copy_gmem_to_smem(aqk_ref.at[gc, h], aqk_b.at[st], bar)
     plgpu.copy_gmem_to_smem(decay_ref.at[gc, h], decay_b.at[st], bar)
 
+  phases.start("init")
   for j in range(NBUF):
     pl.when(nch > j)(functools.partial(issue, j, j))
 
@@ -66,6 +69,7 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
 
   def step(i, s):
     st = lax.rem(i, NBUF)
+    phases.start("inputs")
     plgpu.barrier_wait(bars.at[st])
     st_s[...] = s.astype(bf16)
     plgpu.commit_smem()
@@ -75,6 +79,7 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
       plgpu.wgmma(acc_o, qg_b.at[st], st_s.T)
       return acc_e[...], acc_o[...]
 
+    phases.start("e_o")
     e, o = pl.run_scoped(first, plgpu.ACC((C, BV), f32), plgpu.ACC((C, BV), f32))
     e = e + plgpu.load(u_b.at[st], layout=WG, optimized=False).astype(f32)
     chunk_decay = plgpu.load(decay_b.at[st], layout=COLV, optimized=False)
@@ -86,11 +91,13 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
       plgpu.wgmma(acc_o, aqk_b.at[st], e_s)
       return acc_s[...], acc_o[...]
 
+    phases.start("state_o")
     ds, o2 = pl.run_scoped(second, plgpu.ACC((BV, K), f32), plgpu.ACC((C, BV), f32))
     s = s * bcast_cols(chunk_decay, (BV, K)) + ds
     # Every read of stage st (wgmma and register loads) is complete: refill it.
     pl.when(i + NBUF < nch)(functools.partial(issue, i + NBUF, st))
 
+    phases.start("o_store")
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     o_s[...] = (o + o2).astype(o_s.dtype)
     plgpu.commit_smem()
@@ -106,6 +113,7 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
       size //= 2
 
     gc = cs + i
+    phases.start("checkpoints")
 
     def checkpoint(m, carry):
       dst = ck_slot_ref[m]
@@ -113,14 +121,18 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
       return carry
 
     lax.fori_loop(ck_lo_ref[gc], ck_hi_ref[gc], checkpoint, 0)
+    phases.end()
     return s
 
+  phases.end()
   s = lax.fori_loop(0, nch, step, s0)
+  phases.start("final")
   # A sequence without chunks ends in its initial state: a slot read as its own initial state is left as it
   # is (bitwise), any other gets the zero state. Writing it here, from the program that owns the sequence,
   # costs one predicate on the hot path and no extra pass over the pool.
   pl.when((slot >= 0) & ((nch > 0) | jnp.logical_not(has_init)))(lambda: write_state(s, slot))
   plgpu.wait_smem_to_gmem(0)
+  phases.end()
 
 
 def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk: jax.Array,
@@ -153,4 +165,5 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
       functools.partial(_state_body, K=K),
       out_type=jax.ShapeDtypeStruct((T, H, V), out_dtype),
       grid=(V // BV, H, N), grid_names=("v", "h", "n"), scratch_types=scratch,
+      compiler_params=util.compiler_params(),
   )(*seq_meta, *ck_meta, qg, kg, neg_w, u, aqk, chunk_decay, pool_ref)

@@ -344,7 +344,7 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
       ) + extra_barriers,
       # Wide: the row reductions stay inside a warp, and SMEM has no room for scratch. Narrow: the reductions
       # over the tokens (the rows of S^T) cross the warps, through the default scratch.
-      compiler_params=plgpu.CompilerParams(approx_math=True, **({} if narrow else dict(reduction_scratch_bytes=0))),
+      compiler_params=util.compiler_params(approx_math=True, **({} if narrow else dict(reduction_scratch_bytes=0))),
   )
   with mosaic_interpret.interpret_mode(interpret):
     o_parts, lse_parts = kernel(*inputs, block_table, seq_lens)

@@ -401,7 +401,7 @@ def _attention(q, k_nope, k_rope, v, row_lo, row_hi, *, scale, block_k, num_stag
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
       scratch_types=scratch,
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=util.compiler_params(approx_math=True),
   )
   with mosaic_interpret.interpret_mode(interpret):
     o, lse = kernel(block_table(row_lo, row_hi, block_k), row_lo, row_hi, q, k_nope, k_rope, v)

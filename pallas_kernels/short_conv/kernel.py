@@ -141,6 +141,7 @@ def _update(x, weight, conv_pool, state_indices, num_accepted, *, activation, in
         grid=(util.cdiv(d, block), util.cdiv(n, rows)),
         grid_names=("d", "g"),
         scratch_types=(plgpu.SMEM((weight.shape[1], block), jnp.float32),),
+        compiler_params=util.compiler_params(),
     )(x, weight, slots, accepted, pool_ref)
   return (y[:, 0] if single else y), pool_ref[...]
 
@@ -283,6 +284,7 @@ def _prefill(x, weight, cu_seqlens, conv_pool, state_indices, has_initial_state,
         grid=(util.cdiv(d, block), num_blocks + n),
         grid_names=("d", "g"),
         scratch_types=(plgpu.SMEM((weight.shape[1], block), jnp.float32),),
+        compiler_params=util.compiler_params(),
     )(x, weight, head, cu, slots, read, *ck, pool_ref)
   return y, pool_ref[...]
 
