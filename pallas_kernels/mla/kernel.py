@@ -368,7 +368,7 @@ def mla_decode_partials_mosaic(q_abs: jax.Array, kv_cache: jax.Array, block_tabl
     interpret: run in Mosaic GPU interpret mode (CPU).
     narrow: the transposed kernel (``S^T = kv @ q^T``, ``O^T = V^T @ P^T``: the heads are the MMA's N), one
       program for all heads; its matrix work scales with Hq rounded up to 8 instead of 64. Hq <= 32, bf16 cache
-      (with an fp8 cache it hangs in interpret mode from two pages per split on: not yet understood).
+      (with an fp8 cache it hangs in interpret mode: README.md, "The narrow kernel").
     smem_operands: the interpret-safe variant (see README.md); None = ``interpret``.
 
   Returns:
