@@ -225,8 +225,8 @@ def main() -> None:
                                  caches.items()) + "\n", flush=True)
   if args.wide:
     print("the 64-row head tiles at every Hq (--wide)", flush=True)
-  header = (f"{'B':>4} {'ctx':>7} {'Hq':>4} {'cache':>13} {'partial':>8} {'splits':>6} {'tiles':>6} {'time us':>9} {'TB/s':>6} "
-            f"{'of copy':>7} {'merge us':>9} {'of call':>7} {'xla us':>9} {'speedup':>7} {'TFLOP/s':>7} "
+  header = (f"{'B':>4} {'ctx':>7} {'Hq':>4} {'cache':>13} {'partial':>8} {'splits':>6} {'tiles':>6} {'time us':>9} "
+            f"{'TB/s':>6} {'of copy':>7} {'merge us':>9} {'of call':>7} {'xla us':>9} {'speedup':>7} {'TFLOP/s':>7} "
             f"{'fmla us':>9} {'graph us':>9} {'vs ours':>7} {'rel err':>8} {'fp8 err':>8} {'vs bf16':>7}")
   print(header, flush=True)
   out = open(args.json, "a") if args.json else None
@@ -288,9 +288,10 @@ def main() -> None:
         fmla_txt = f"{called * 1e6:9.1f} {graph_txt} {best / sec:6.2f}x {row['flashmla_rel_err']:8.1e}"
       vs_txt = (f"{row['bf16_rel_err']:8.1e} {row['vs_bf16']:6.2f}x" if row["vs_bf16"] is not None
                 else f"{'-':>8} {'-':>7}")
-      print(f"{batch:4d} {context:7d} {heads:4d} {cache_name:>13} {row['partial']:>8} {splits:6d} {'narrow' if narrow else '64-row':>6} {sec * 1e6:9.1f} "
-            f"{tbs:6.2f} {tbs / copy_tbs:7.0%} {merge_txt} {xla_txt} {row['tflops']:7.1f} {fmla_txt} {vs_txt}",
-            flush=True)
+      tiles = "narrow" if narrow else "64-row"
+      print(f"{batch:4d} {context:7d} {heads:4d} {cache_name:>13} {row['partial']:>8} {splits:6d} {tiles:>6} "
+            f"{sec * 1e6:9.1f} {tbs:6.2f} {tbs / copy_tbs:7.0%} {merge_txt} {xla_txt} {row['tflops']:7.1f} "
+            f"{fmla_txt} {vs_txt}", flush=True)
       if out:
         out.write(json.dumps(row) + "\n")
         out.flush()

@@ -113,8 +113,8 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     G = matmul([(tril, part) for part in gsplit], (C, K))
     plgpu.commit_smem()  # the cumsum's operands are dead in every warp before g_pad reuses their memory
 
-    # G rows read back as per-column vectors (anchors, last row) from an f32 copy; the anchors move to
     phases.start("anchors")
+    # G rows read back as per-column vectors (anchors, last row) from an f32 copy; the anchors move to
     # anchors_s, outside the union, because the tiles overwrite g_pad's memory.
     g_pad, k_pad = ph_diag.at[0], None if bounded else ph_diag.at[1]
     g_pad[pl.ds(SUB, C), :] = G
