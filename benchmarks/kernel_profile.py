@@ -1,12 +1,16 @@
-"""Where a kernel's time goes: Mosaic GPU's on-device profiler over the named phases of the KDA prefill kernels.
+"""Where a kernel's time goes: Mosaic GPU's on-device profiler over the named phases of the KDA prefill and MLA
+decode kernels.
 
 Run on the GPU machine from the repository root::
 
-  PYTHONPATH=. python3 benchmarks/kernel_profile.py [--lens 8192] [--heads 96] [--space 512] [--out DIR]
+  PYTHONPATH=. python3 benchmarks/kernel_profile.py kda-prefill [--lens 8192] [--heads 96] [--space 512]
+  PYTHONPATH=. python3 benchmarks/kernel_profile.py mla-decode [--batch 32] [--context 32768] [--heads 128]
+      [--wide] [--space 32]
 
-It sets ``util.PROFILE_DIR_ENV`` (and ``util.PROFILE_SPACE_ENV``) before anything is traced, runs one
-``kda_prefill`` call (impl pallas, K = V = 128, bf16 inputs, lower-bound gate, f32 state), and summarises the
-Chrome trace that each kernel of the call writes (``DIR/*-trace.json``): per kernel, the programs traced, the
+It sets ``util.PROFILE_DIR_ENV`` (and ``util.PROFILE_SPACE_ENV``) before anything is traced, runs one call of the
+op (impl pallas; kda-prefill: K = V = 128, bf16 inputs, lower-bound gate, f32 state; mla-decode: a bf16 cache,
+all sequences at full length, the default tuning or ``--wide``), and summarises the Chrome trace that each kernel
+of the call writes (``DIR/*-trace.json``): per kernel, the programs traced, the
 median span of a program's warpgroup (first entry to last exit) and, per phase (``util.Phases`` in the kernel),
 its occurrences per program, the median time of one occurrence and the median total per program, with its share
 of the span. The times are of one warpgroup, waits included (a phase that waits for a TMA shows the load), in
@@ -14,9 +18,11 @@ thousands of SM clock cycles: the profiler stamps each event with ``%clock`` (an
 / 1000 past a nanosecond start time), so 1 kcycle is about 0.5 us at the H200's 1.98 GHz boost clock.
 
 Caveats: the profile buffer takes ``16 * space`` bytes of SMEM per warpgroup, which can lower the programs per SM
-(the prep runs two per SM at about 98 KB; 512 keeps it there); a program records at most ``space`` phases, later
-ones are dropped (the state pass has 5 per chunk, so its totals are of the first ``space / 5`` chunks, its
-per-occurrence medians are not affected); each phase boundary adds a few cycles. ``summarise`` also reads traces
+(the KDA prep runs two per SM at about 98 KB; 512 keeps it there) or not fit at all (the MLA decode with 64-row
+tiles has about 2.5 KB left for its three warpgroups: 32 fits); a warpgroup records at most ``space`` phases,
+later ones are dropped (the state pass has 5 per chunk and the decode's leader 4 per page, so their totals cover
+the first chunks or pages only, their per-occurrence medians are not affected); each phase boundary adds a few
+cycles. ``summarise`` also reads traces
 of any other kernel.
 """
 
@@ -77,22 +83,7 @@ def print_summary(summary: dict) -> None:
           f"{p['share']:6.1%}")
 
 
-def main() -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--lens", type=int, nargs="+", default=[8192], help="sequence lengths of the packed call")
-  parser.add_argument("--heads", type=int, default=96)
-  parser.add_argument("--space", type=int, default=512, help="phases recorded per warpgroup")
-  parser.add_argument("--out", default="/tmp/k3jax-profile", help="trace directory (emptied of old traces)")
-  parser.add_argument("--json", help="also write the summaries here")
-  args = parser.parse_args()
-
-  from pallas_kernels import util
-  os.makedirs(args.out, exist_ok=True)
-  for old in glob.glob(os.path.join(args.out, "*-trace.json")):
-    os.remove(old)
-  os.environ[util.PROFILE_DIR_ENV] = args.out
-  os.environ[util.PROFILE_SPACE_ENV] = str(args.space)
-
+def run_kda_prefill(args: argparse.Namespace) -> str:
   import jax
   import jax.numpy as jnp
 
@@ -106,12 +97,64 @@ def main() -> int:
   call = jax.jit(lambda *a: kda.kda_prefill(
       *a[:5], A_log=a[5], dt_bias=a[6], cu_seqlens=a[7], state_pool=a[8], state_indices=a[9],
       has_initial_state=a[10], config=config))
-  out = call(bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["g_raw"]), bf(x["beta_raw"]), jnp.asarray(x["A_log"]),
-             jnp.asarray(x["dt_bias"]), jnp.asarray(x["cu"]), jnp.asarray(np.asarray(x["h0"], np.float32)),
-             jnp.arange(n, dtype=jnp.int32), jnp.ones(n, bool))
-  jax.block_until_ready(out)
+  jax.block_until_ready(call(
+      bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["g_raw"]), bf(x["beta_raw"]), jnp.asarray(x["A_log"]),
+      jnp.asarray(x["dt_bias"]), jnp.asarray(x["cu"]), jnp.asarray(np.asarray(x["h0"], np.float32)),
+      jnp.arange(n, dtype=jnp.int32), jnp.ones(n, bool)))
+  return f"kda_prefill lens={args.lens} H={args.heads}"
+
+
+def run_mla_decode(args: argparse.Namespace) -> str:
+  import jax
+  import jax.numpy as jnp
+
+  from pallas_kernels.mla import MlaDecodeConfig, MlaDecodeTuning, mla_decode
+  from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM
+  from pallas_kernels.testing import K3_MLA_SCALE
+
+  pages_per_seq = args.context // PAGE_SIZE
+  kq, kc, kp = jax.random.split(jax.random.key(0), 3)
+  cache = jax.random.normal(kc, (args.batch * pages_per_seq, PAGE_SIZE, LATENT_DIM + ROPE_DIM), jnp.bfloat16)
+  table = jax.random.permutation(kp, args.batch * pages_per_seq).astype(jnp.int32).reshape(args.batch, -1)
+  q = jax.random.normal(kq, (args.batch, args.heads, LATENT_DIM + ROPE_DIM), jnp.bfloat16)
+  lens = jnp.full((args.batch,), args.context, jnp.int32)
+  config = MlaDecodeConfig(scale=K3_MLA_SCALE, impl="pallas",
+                           tuning=MlaDecodeTuning(narrow=False) if args.wide else None)
+  jax.block_until_ready(jax.jit(lambda *a: mla_decode(*a, config=config))(q, cache, table, lens))
+  return f"mla_decode B={args.batch} context={args.context} Hq={args.heads}{' wide' if args.wide else ''}"
+
+
+OPS = {"kda-prefill": (run_kda_prefill, 512), "mla-decode": (run_mla_decode, 32)}
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("op", choices=tuple(OPS))
+  parser.add_argument("--lens", type=int, nargs="+", default=[8192], help="kda-prefill: packed sequence lengths")
+  parser.add_argument("--heads", type=int, default=None, help="heads (default 96 for kda-prefill, 128 mla-decode)")
+  parser.add_argument("--batch", type=int, default=32, help="mla-decode: sequences")
+  parser.add_argument("--context", type=int, default=32768, help="mla-decode: tokens per sequence")
+  parser.add_argument("--wide", action="store_true", help="mla-decode: the 64-row head tiles at any Hq")
+  parser.add_argument("--space", type=int, default=None, help="phases recorded per warpgroup (default: per op)")
+  parser.add_argument("--out", default="/tmp/k3jax-profile", help="trace directory (emptied of old traces)")
+  parser.add_argument("--json", help="also write the summaries here")
+  args = parser.parse_args()
+  run, default_space = OPS[args.op]
+  args.space = args.space or default_space
+  args.heads = args.heads or (96 if args.op == "kda-prefill" else 128)
+
+  from pallas_kernels import util
+  os.makedirs(args.out, exist_ok=True)
+  for old in glob.glob(os.path.join(args.out, "*-trace.json")):
+    os.remove(old)
+  os.environ[util.PROFILE_DIR_ENV] = args.out
+  os.environ[util.PROFILE_SPACE_ENV] = str(args.space)
+
+  import jax
+
+  what = run(args)
   jax.effects_barrier()  # the traces are written by host callbacks after the kernels
-  print(f"kda_prefill lens={args.lens} H={args.heads} on {jax.devices()[0].device_kind}, space {args.space}")
+  print(f"{what} on {jax.devices()[0].device_kind}, space {args.space}")
   summaries = summarise(args.out)
   if not summaries:
     print(f"no trace in {args.out}: was the call compiled for a GPU?")

@@ -173,12 +173,17 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     if not smem_operands:
       plgpu.set_max_registers(232, action="increase")
     cols = pl.ds(0, COLS)
+    phases = util.Phases()  # named regions for the on-device profiler (util.compiler_params)
+    phases.start("wg0_q_wait")
     plgpu.barrier_wait(q_bar)
+    phases.end()
 
     def page_step(i, carry):
       acc, m, l = carry
+      phases.start("wg0_acquire")
       tile = acquire(i, 0)
       page_start = (first_page + i) * PAGE_SIZE
+      phases.start("wg0_qk_softmax")
 
       def qk(acc_ref):
         if narrow:
@@ -196,6 +201,8 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
       p = jnp.exp2(s - along_heads(m_new, s.shape))
       l = l * alpha + p.sum(axis=token_axis)
 
+      phases.start("wg0_p_handoff")
+
       @pl.when(i > 0)
       def _():
         plgpu.barrier_wait(p_free_bar)  # warpgroup 1 is done with the previous page's P and alpha
@@ -207,8 +214,10 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
         zero_v_tail(tile, cols, page_start)
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready_bar)
+      phases.start("wg0_pv")
       acc = accumulate(acc, alpha, tile, cols, p_ref)
       done(i)
+      phases.end()
       return acc, m_new, l
 
     acc = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
@@ -239,16 +248,21 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     if not smem_operands:
       plgpu.set_max_registers(232, action="increase")
     cols = pl.ds(COLS, COLS)
+    phases = util.Phases()
 
     def page_step(i, acc):
+      phases.start("wg1_acquire")
       tile = acquire(i, 1)
       if not fp8:
         zero_v_tail(tile, cols, (first_page + i) * PAGE_SIZE)
         plgpu.commit_smem()
+      phases.start("wg1_p_wait")
       plgpu.barrier_wait(p_ready_bar)
+      phases.start("wg1_pv")
       acc = accumulate(acc, plgpu.load(row_smem, layout=head_layout), tile, cols, p_tile(i))
       plgpu.barrier_arrive(p_free_bar)
       done(i)
+      phases.end()
       return acc
 
     acc = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
@@ -265,15 +279,18 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     if not smem_operands:
       plgpu.set_max_registers(40, action="decrease")
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, rows)], q_smem, q_bar)
+    phases = util.Phases()
 
     @pl.loop(0, num_pages)
     def _(i):
       slot = lax.rem(i, STAGES)
+      phases.start("mem_slot_wait")
 
       @pl.when(i >= STAGES)
       def _():
         plgpu.barrier_wait(consumed_bar.at[slot])
 
+      phases.start("mem_issue")
       page = table_ref[b, first_page + i]
       if fp8:
         plgpu.copy_gmem_to_smem(kv_ref.at[page, :, pl.ds(0, DIM)], raw.at[slot], kv_bar.at[slot])
@@ -281,6 +298,7 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
                                 kv_bar.at[slot])
       else:
         plgpu.copy_gmem_to_smem(kv_ref.at[page], kv_smem.at[slot], kv_bar.at[slot])
+      phases.end()
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "partial_dtype", "narrow", "interpret",
