@@ -34,7 +34,8 @@ def choose_num_splits(batch: int, num_heads: int, max_pages: int) -> int:
   return next(s for s in range(1, max_splits + 1) if efficiency(s) >= 0.85 * best)
 
 
-def default_tuning(batch: int, num_heads: int, max_pages: int, *, cache_dtype: jax.typing.DTypeLike) -> MlaDecodeTuning:
+def default_tuning(batch: int, num_heads: int, max_pages: int, *,
+                   cache_dtype: jax.typing.DTypeLike) -> MlaDecodeTuning:
   """The tuning ``mla_decode`` takes for ``config.tuning=None`` (and for each None field of a given tuning).
 
   Args:
