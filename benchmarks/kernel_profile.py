@@ -34,8 +34,6 @@ import statistics
 import sys
 from collections import defaultdict
 
-import numpy as np
-
 
 def summarise_trace(path: str) -> dict:
   """Per-phase statistics of one trace file (see the module docstring); times in thousands of clock cycles."""
@@ -84,23 +82,9 @@ def print_summary(summary: dict) -> None:
 
 
 def run_kda_prefill(args: argparse.Namespace) -> str:
-  import jax
-  import jax.numpy as jnp
+  from benchmarks.kda_prefill import make_inputs, ours_runner
 
-  from benchmarks.kda_prefill import LB, make_inputs
-  from pallas_kernels import kda
-
-  x = make_inputs(args.lens, args.heads)
-  n = len(args.lens)
-  bf = lambda a: jnp.asarray(a, jnp.bfloat16)
-  config = kda.KdaConfig(lower_bound=LB, impl="pallas")
-  call = jax.jit(lambda *a: kda.kda_prefill(
-      *a[:5], A_log=a[5], dt_bias=a[6], cu_seqlens=a[7], state_pool=a[8], state_indices=a[9],
-      has_initial_state=a[10], config=config))
-  jax.block_until_ready(call(
-      bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["g_raw"]), bf(x["beta_raw"]), jnp.asarray(x["A_log"]),
-      jnp.asarray(x["dt_bias"]), jnp.asarray(x["cu"]), jnp.asarray(np.asarray(x["h0"], np.float32)),
-      jnp.arange(n, dtype=jnp.int32), jnp.ones(n, bool)))
+  ours_runner(make_inputs(args.lens, args.heads), args.lens, args.heads)  # makes (and waits for) one call
   return f"kda_prefill lens={args.lens} H={args.heads}"
 
 
@@ -108,13 +92,14 @@ def run_mla_decode(args: argparse.Namespace) -> str:
   import jax
   import jax.numpy as jnp
 
+  from benchmarks.mla_decode import make_cache
   from pallas_kernels.mla import MlaDecodeConfig, MlaDecodeTuning, mla_decode
   from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM
   from pallas_kernels.testing import K3_MLA_SCALE
 
   pages_per_seq = args.context // PAGE_SIZE
   kq, kc, kp = jax.random.split(jax.random.key(0), 3)
-  cache = jax.random.normal(kc, (args.batch * pages_per_seq, PAGE_SIZE, LATENT_DIM + ROPE_DIM), jnp.bfloat16)
+  cache = make_cache(jnp.bfloat16, kc, args.batch * pages_per_seq)
   table = jax.random.permutation(kp, args.batch * pages_per_seq).astype(jnp.int32).reshape(args.batch, -1)
   q = jax.random.normal(kq, (args.batch, args.heads, LATENT_DIM + ROPE_DIM), jnp.bfloat16)
   lens = jnp.full((args.batch,), args.context, jnp.int32)

@@ -47,7 +47,7 @@ def default_tuning(batch: int, num_heads: int, max_pages: int, *,
     kernel applies (Hq <= ``kernel.NARROW_MAX_HEADS`` with a bf16 cache): there it skips the padding rows of the
     64-row head tile, so its page loads, not its matrix work, bound each page.
   """
-  narrow = num_heads <= kernel.NARROW_MAX_HEADS and jnp.dtype(cache_dtype) == jnp.bfloat16
+  narrow = kernel.narrow_applies(num_heads, cache_dtype)
   return MlaDecodeTuning(num_splits=choose_num_splits(batch, num_heads, max_pages), narrow=narrow)
 
 
@@ -118,14 +118,15 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
   tuning = config.tuning or MlaDecodeTuning()
   defaults = default_tuning(batch, num_heads, max_pages, cache_dtype=kv_cache.dtype)
   num_splits = tuning.num_splits or defaults.num_splits
-  narrow = defaults.narrow if tuning.narrow is None else tuning.narrow
-  if narrow and config.impl != "xla" and (num_heads > kernel.NARROW_MAX_HEADS or cache_format.is_fp8(kv_cache.dtype)):
+  # The XLA reference has one form; the kernels take the narrow one where the tuning (or its default) asks.
+  narrow = config.impl != "xla" and (defaults.narrow if tuning.narrow is None else tuning.narrow)
+  if narrow and not kernel.narrow_applies(num_heads, kv_cache.dtype):
     raise NotImplementedError(f"mla_decode tuning.narrow=True takes a bf16 kv_cache and at most "
                               f"{kernel.NARROW_MAX_HEADS} query heads, got q_abs with {num_heads} and a "
                               f"{jnp.dtype(kv_cache.dtype).name} kv_cache")
   return _mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=config.scale,
                      num_splits=effective_num_splits(max_pages, num_splits), partial_dtype=config.partial_dtype,
-                     narrow=narrow and config.impl != "xla", impl=config.impl, out_dtype=out_dtype)
+                     narrow=narrow, impl=config.impl, out_dtype=out_dtype)
 
 
 def merge_partials(o_parts: jax.Array, lse_parts: jax.Array, *,

@@ -40,6 +40,11 @@ SCALE_WORD0 = ROW_WORDS - SCALE_WORDS
 SCALE_COLS = (DIM // 4 - SCALE_WORD0, DIM // 4 + 1 - SCALE_WORD0)
 
 
+def narrow_applies(num_heads: int, cache_dtype) -> bool:
+  """Whether the narrow kernel takes this call: at most ``NARROW_MAX_HEADS`` heads and a bf16 cache."""
+  return num_heads <= NARROW_MAX_HEADS and jnp.dtype(cache_dtype) == jnp.bfloat16
+
+
 def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_operands: bool, fp8: bool,
           narrow: bool):
   if fp8:
@@ -393,7 +398,7 @@ def mla_decode_partials_mosaic(q_abs: jax.Array, kv_cache: jax.Array, block_tabl
     ``o_parts [S, B, Hq, 512]`` in ``partial_dtype`` (normalised) and ``lse_parts [S, B, Hq]`` f32 natural
     log; an empty split is ``(0, -inf)``.
   """
-  if narrow and (q_abs.shape[1] > NARROW_MAX_HEADS or cache_format.is_fp8(kv_cache.dtype)):
+  if narrow and not narrow_applies(q_abs.shape[1], kv_cache.dtype):
     raise NotImplementedError(f"the narrow MLA decode kernel takes a bf16 cache and at most {NARROW_MAX_HEADS} "
                               f"heads, got {q_abs.shape[1]} and {jnp.dtype(kv_cache.dtype).name}")
   return _partials(q_abs, kv_cache, block_table, seq_lens, scale=scale, num_splits=num_splits,
