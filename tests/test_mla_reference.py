@@ -289,6 +289,14 @@ def test_narrow_kernel_takes_at_most_32_heads():
   mla_decode(*args, config=narrow("xla"))
 
 
+def test_default_tuning_takes_the_narrow_kernel_only_where_it_applies():
+  # bf16 cache and at most 32 heads (K3 under TP9 has 11 per GPU); an fp8 cache or 33+ heads: the 64-row tiles.
+  narrow = lambda heads, dtype: default_tuning(8, heads, 64, cache_dtype=dtype).narrow
+  assert narrow(1, jnp.bfloat16) and narrow(11, jnp.bfloat16) and narrow(32, "bfloat16")
+  assert not narrow(33, jnp.bfloat16) and not narrow(128, jnp.bfloat16)
+  assert not narrow(11, jnp.float8_e4m3fn) and not narrow(11, jnp.float32)
+
+
 def test_tuning_reaches_the_split_reference():
   # 4096 tokens of one sequence: the heuristic splits them 4 ways. The same splits given explicitly are the
   # same computation (bitwise); other splits round other bf16 partials, within the bound of
