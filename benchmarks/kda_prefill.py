@@ -226,7 +226,7 @@ def profile(lens, H: int, iters: int = 10) -> dict:
   cu = jnp.asarray(x["cu"])
   num_slots = -(-T // C) + N
   chunk_start, nch, seq_lens, tok, rows = prefill_kernel._chunk_table(cu, num_slots)
-  prep = jax.jit(functools.partial(prefill_prep.prep, scale=K ** -0.5, lower_bound=LB))
+  prep = jax.jit(functools.partial(prefill_prep.prep, scale=K ** -0.5, lower_bound=LB, smem_operands=False))
   pargs = (q, k, v, g, beta_t, jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]), tok, rows)
   work = prep(*pargs)
   ck = prefill_kernel._checkpoint_table(jnp.zeros(N + 1, jnp.int32), jnp.zeros(0, jnp.int32),

@@ -78,7 +78,7 @@ def _prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, cu_seqlens, state_pool, s
   beta_t = jnp.pad(beta_raw.astype(jnp.float32).T, ((0, 0), (0, C)))
   with interpret_mode(interpret):
     work = prefill_prep.prep(q, k, v, g_raw, beta_t, A_log, dt_bias, tok, rows, scale=scale,
-                             lower_bound=config.lower_bound)
+                             lower_bound=config.lower_bound, smem_operands=interpret)
     ck = _checkpoint_table(checkpoint_indptr, checkpoint_offsets, checkpoint_slots, chunk_start, num_slots)
     seq_meta = (chunk_start, nch, cu_seqlens[:-1].astype(jnp.int32), lens.astype(jnp.int32),
                 state_indices, has_initial_state.astype(jnp.int32))

@@ -63,7 +63,7 @@ def split(x: jax.Array, parts: int) -> list[jax.Array]:
 def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_ref,
                qg_ref, kg_ref, neg_w_ref, u_ref, aqk_ref, decay_ref,
                x_q, x_k, x_v, y, anchors_s, bar_g, bar_qkv, *,
-               K: int, V: int, scale: float, lower_bound: float | None):
+               K: int, V: int, scale: float, lower_bound: float | None, smem_operands: bool):
   # Register budget: one [C, K] f32 array is 64 registers per thread, so row-dependent factors stay
   # per-row vectors (2 registers) and column-dependent ones per-column vectors, broadcast where used.
   bounded = lower_bound is not None
@@ -209,26 +209,38 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(aqk_s, aqk_ref.at[c, h])
 
-    # (I + L)^-1 by recursive block doubling.
+    # (I + L)^-1 by recursive block doubling. P_s is block diagonal (s-blocks), so P_s F_s, with F_s the
+    # s-blocks of L below the diagonal inside each 2s-block, is P_s L masked to those blocks: the terms it adds
+    # are exact zeros. L goes to SMEM once. On the GPU the A operands P_s and X come from registers; interpret
+    # mode takes them from SMEM (it runs every wgmma operand from there).
     phases.start("inverse")
+    f_s[...] = lmat.astype(bf16)
     p = jnp.where(c64 == r64, 1.0, 0.0) - jnp.where((r64 // 2 == c64 // 2), lmat, 0.0)
+
+    def a_operand(x16, buf):
+      """``x16`` as a wgmma A operand: itself (registers), or stored to ``buf`` for interpret mode."""
+      if not smem_operands:
+        return x16
+      buf[...] = x16
+      plgpu.commit_smem()
+      return buf
+
     s = 2
     while s < C:
-      f_s[...] = jnp.where((r64 // (2 * s) == c64 // (2 * s)) & (r64 // s != c64 // s), lmat, 0.0).astype(bf16)
-      p_s[...] = p.astype(bf16)
+      p16 = p.astype(bf16)
+      p_s[...] = p16
       plgpu.commit_smem()
-      x_s[...] = matmul([(p_s, f_s)], (C, C)).astype(bf16)
-      plgpu.commit_smem()
-      p = p - matmul([(x_s, p_s)], (C, C))
+      mask = (r64 // (2 * s) == c64 // (2 * s)) & (r64 // s != c64 // s)
+      x16 = jnp.where(mask, matmul([(p_s if smem_operands else p16, f_s)], (C, C)), 0.0).astype(bf16)
+      p = p - matmul([(a_operand(x16, x_s), p_s)], (C, C))
       s *= 2
-    p_s[...] = p.astype(bf16)
-    plgpu.commit_smem()
+    p_op = a_operand(p.astype(bf16), p_s)
 
     phases.start("w_u")
 
     def w_and_u(acc_w, acc_u):
-      plgpu.wgmma(acc_w, p_s, bk_s)
-      plgpu.wgmma(acc_u, p_s, bv_s)
+      plgpu.wgmma(acc_w, p_op, bk_s)
+      plgpu.wgmma(acc_u, p_op, bv_s)
       return acc_w[...], acc_u[...]
 
     w, u = pl.run_scoped(w_and_u, plgpu.ACC((C, K), f32), plgpu.ACC((C, V), f32))
@@ -245,7 +257,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
 
 def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_t: jax.Array, A_log: jax.Array,
          dt_bias: jax.Array, chunk_tok: jax.Array, chunk_len: jax.Array, *, scale: float,
-         lower_bound: float | None) -> tuple[jax.Array, ...]:
+         lower_bound: float | None, smem_operands: bool) -> tuple[jax.Array, ...]:
   """Stage 1 over ``S = chunk_tok.shape[0]`` chunk slots (slots with ``chunk_len == 0`` are skipped).
 
   Args:
@@ -253,6 +265,8 @@ def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_t: jax
     beta_t: ``[H, T + C]`` f32, raw β transposed and padded by C columns (read a chunk at a time).
     A_log: ``[H]`` f32. dt_bias: ``[H, K]`` f32.
     chunk_tok: ``[S]`` int32 first token of each chunk slot. chunk_len: ``[S]`` int32 valid rows (0..64).
+    smem_operands: every wgmma operand from SMEM (interpret mode needs that); False takes the inverse's A
+      operands from registers (the GPU).
 
   Returns:
     ``qg [S, H, C, K]``, ``kg [S, H, C, K]``, ``neg_w [S, H, C, K]``, ``u [S, H, C, V]``, ``aqk [S, H, C, C]``
@@ -278,7 +292,8 @@ def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_t: jax
                      ph_diag, (tiled((C, K)), tiled((C, K)), tiled((C, K))))
   scratch = [x_q, x_k, x_v, y, plgpu.SMEM((NSUB, K), f32),
              plgpu.Barrier(num_arrivals=1, num_barriers=1), plgpu.Barrier(num_arrivals=3, num_barriers=1)]
-  body = functools.partial(_prep_body, K=K, V=V, scale=scale, lower_bound=lower_bound)
+  body = functools.partial(_prep_body, K=K, V=V, scale=scale, lower_bound=lower_bound,
+                           smem_operands=smem_operands)
   return plgpu.kernel(body, out_type=out_type, grid=(S, H), grid_names=("c", "h"), scratch_types=scratch,
                       compiler_params=util.compiler_params(approx_math=True))(
       chunk_tok, chunk_len, q, k, v, g_raw, beta_t, A_log, dt_bias)
