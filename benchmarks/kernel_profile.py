@@ -5,7 +5,7 @@ Run on the GPU machine from the repository root::
 
   PYTHONPATH=. python3 benchmarks/kernel_profile.py kda-prefill [--lens 8192] [--heads 96] [--space 512]
   PYTHONPATH=. python3 benchmarks/kernel_profile.py mla-decode [--batch 32] [--context 32768] [--heads 128]
-      [--wide] [--space 32]
+      [--wide] [--space 16]
 
 It sets ``util.PROFILE_DIR_ENV`` (and ``util.PROFILE_SPACE_ENV``) before anything is traced, runs one call of the
 op (impl pallas; kda-prefill: K = V = 128, bf16 inputs, lower-bound gate, f32 state; mla-decode: a bf16 cache,
@@ -19,7 +19,7 @@ thousands of SM clock cycles: the profiler stamps each event with ``%clock`` (an
 
 Caveats: the profile buffer takes ``16 * space`` bytes of SMEM per warpgroup, which can lower the programs per SM
 (the KDA prep runs two per SM at about 98 KB; 512 keeps it there) or not fit at all (the MLA decode with 64-row
-tiles has about 2.5 KB left for its three warpgroups: 32 fits); a warpgroup records at most ``space`` phases,
+tiles has less than 1.5 KB left for its three warpgroups: 16 fits, 32 did not); a warpgroup records at most ``space`` phases,
 later ones are dropped (the state pass has 5 per chunk and the decode's leader 4 per page, so their totals cover
 the first chunks or pages only, their per-occurrence medians are not affected); each phase boundary adds a few
 cycles. ``summarise`` also reads traces
@@ -109,7 +109,7 @@ def run_mla_decode(args: argparse.Namespace) -> str:
   return f"mla_decode B={args.batch} context={args.context} Hq={args.heads}{' wide' if args.wide else ''}"
 
 
-OPS = {"kda-prefill": (run_kda_prefill, 512), "mla-decode": (run_mla_decode, 32)}
+OPS = {"kda-prefill": (run_kda_prefill, 512), "mla-decode": (run_mla_decode, 16)}
 
 
 def main() -> int:
