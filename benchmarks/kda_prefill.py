@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks._harness import COPY_BYTES_PER_S, PEAK_BF16_FLOPS, cupti_kernels
+from benchmarks._harness import COPY_BYTES_PER_S, PEAK_BF16_FLOPS
 from pallas_kernels import kda
 from pallas_kernels.kda.config import CHUNK_SIZE as C
 from pallas_kernels.testing import kda_gate_params, kda_inputs
@@ -117,14 +117,26 @@ def ours(x, lens, H: int, *, iters: int = 20, **variant):
   return bench(run, iters), o
 
 
-def kernel_ms(run, iters: int = 20) -> float:
-  """Device time per call (ms): the sum of every kernel's CUPTI duration over ``iters`` calls, divided by
-  ``iters``. Host dispatch and the gaps between launches do not count, so two variants of a call compare to a
-  fraction of a percent where wall times of separate runs spread by several."""
-  run(1)
-  with cupti_kernels() as records:
-    run(iters)
-  return sum(ms for _, ms in records) / iters
+def paired_overheads(runs: dict, rounds: int = 9, iters: int = 20) -> dict:
+  """Wall time and overhead of each variant in ``runs`` (name -> ``run(n)``; the first is the base).
+
+  Each round times every variant once (``iters`` back-to-back calls after one warm-up call, the order rotated
+  from round to round) and divides each variant's time by the base's of the same round; the overhead is the
+  median of those ratios minus 1. The GPU's speed drifts by several percent between runs a minute apart (clock
+  and power state), which swamps a 3% overhead measured from separate runs; a ratio within one round cancels it.
+  Returns ``{name: dict(ms=median wall ms per call, overhead=..., ratio_lo=..., ratio_hi=...)}``, the ratio
+  range over the rounds (the base has no ratio entries)."""
+  names = list(runs)
+  times = {n: [] for n in names}
+  for r in range(rounds):
+    for n in names[r % len(names):] + names[:r % len(names)]:
+      times[n].append(bench(runs[n], iters, reps=1))
+  out = {names[0]: dict(ms=float(np.median(times[names[0]])))}
+  for n in names[1:]:
+    ratios = np.asarray(times[n]) / np.asarray(times[names[0]])
+    out[n] = dict(ms=float(np.median(times[n])), overhead=float(np.median(ratios) - 1),
+                  ratio_lo=float(ratios.min()), ratio_hi=float(ratios.max()))
+  return out
 
 
 def _torch_inputs(x):
@@ -305,16 +317,12 @@ def main():
       row.update({f"{peer}_called_ms": t_called, f"{peer}_graph_ms": t_graph, f"ratio_{peer}": best / t_ours,
                   f"rel_rmse_vs_{peer}": float(np.sqrt(np.mean((o - o_peer) ** 2)) / np.sqrt(np.mean(o_peer ** 2)))})
     if name in (SHAPES[0][0], SHAPES[2][0]) and not args.quick:
-      # Wall time (as ours_ms) and device time of each variant; the overhead is a ratio of device times.
+      # Every variant timed in the same rounds as the base: the overheads are medians of paired ratios.
       variants = dict(base=dict(), bf16_state=dict(state_dtype=jnp.bfloat16), ckpt1=dict(per_seq_ckpt=1),
                       ckpt4=dict(per_seq_ckpt=4))
-      for v, kw in variants.items():
-        run, _ = ours_runner(x, lens, H, **kw)
-        if v != "base":
-          row[f"{v}_ms"] = bench(run, 20)
-        row[f"{v}_kernel_ms"] = kernel_ms(run)
-        if v != "base":
-          row[f"{v}_overhead"] = row[f"{v}_kernel_ms"] / row["base_kernel_ms"] - 1
+      paired = paired_overheads({v: ours_runner(x, lens, H, **kw)[0] for v, kw in variants.items()})
+      for v, m in paired.items():
+        row.update({f"{v}_{key}": val for key, val in m.items()})
     results.append(row)
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
   if args.json:

@@ -1,5 +1,6 @@
 """CPU smoke runs of benchmarks/mla_prefill.py, benchmarks/long_prompt.py and benchmarks/prefix_cache.py at tiny
-sizes (f32, impl xla), and kernel_profile.py's trace summary on a made-up trace."""
+sizes (f32, impl xla), kernel_profile.py's trace summary on a made-up trace, and kda_prefill.py's paired
+overheads on scripted times."""
 
 import argparse
 import contextlib
@@ -17,7 +18,7 @@ _ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
-from benchmarks import _harness, kernel_profile, long_prompt, mla_prefill, prefix_cache  # noqa: E402
+from benchmarks import _harness, kda_prefill, kernel_profile, long_prompt, mla_prefill, prefix_cache  # noqa: E402
 
 
 def test_mla_prefill_smoke(tmp_path, capsys):
@@ -146,3 +147,24 @@ def test_kernel_profile_summarises_phases_per_program(tmp_path):
   assert b["per_program"] == 2 and b["median_kcycles"] == pytest.approx(2.0)
   assert b["total_kcycles"] == pytest.approx(4.0)  # the median of 5 and 3
   assert c["total_kcycles"] == pytest.approx(3.0)
+
+
+def test_kda_prefill_paired_overheads_cancel_drift(monkeypatch):
+  """The GPU slows by 40% over the rounds; a variant 3% slower than the base in every round measures +3%, and one
+  round where a variant ran 2% slow moves its median by nothing and shows in its ratio range."""
+  calls = []
+
+  def fake_bench(run, iters, reps=5):
+    assert (iters, reps) == (20, 1)
+    calls.append(run)
+    base = 1.0 + 0.1 * ((len(calls) - 1) // 3)  # drift: each round is slower than the one before
+    return base * {"base": 1.0, "v": 1.03, "w": 1.0}[run] * (1.02 if len(calls) == 7 else 1.0)
+
+  monkeypatch.setattr(kda_prefill, "bench", fake_bench)
+  out = kda_prefill.paired_overheads({"base": "base", "v": "v", "w": "w"}, rounds=5)
+  assert len(calls) == 15 and calls[:3] == ["base", "v", "w"] and calls[3:6] == ["v", "w", "base"]
+  assert set(out) == {"base", "v", "w"} and set(out["base"]) == {"ms"}
+  np.testing.assert_allclose(out["v"]["overhead"], 0.03, rtol=1e-9)
+  np.testing.assert_allclose(out["w"]["overhead"], 0.0, atol=1e-12)
+  np.testing.assert_allclose([out["w"]["ratio_lo"], out["w"]["ratio_hi"]], [1.0, 1.02], rtol=1e-9)
+  np.testing.assert_allclose(out["base"]["ms"], 1.2, rtol=1e-9)
