@@ -227,7 +227,9 @@ PEERS = (("fla", fla), ("flashkda", flashkda))
 
 
 def profile(lens, H: int, iters: int = 10) -> dict:
-  """Times stage 1 (prep) and stage 2 (state pass) of our kernel separately (ms)."""
+  """Times stage 1 (prep) and stage 2 (state pass) of our kernel separately (ms), and stage 2 again with one
+  checkpoint per sequence (``state_ckpt1_ms``: what the checkpoints cost inside the kernel, against the whole
+  call's overhead from ``paired_overheads``)."""
   from pallas_kernels.kda import prefill_kernel, prefill_prep, prefill_state
 
   x = make_inputs(lens, H)
@@ -241,25 +243,27 @@ def profile(lens, H: int, iters: int = 10) -> dict:
   prep = jax.jit(functools.partial(prefill_prep.prep, scale=K ** -0.5, lower_bound=LB, smem_operands=False))
   pargs = (q, k, v, g, beta_t, jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]), tok, rows)
   work = prep(*pargs)
-  ck = prefill_kernel._checkpoint_table(jnp.zeros(N + 1, jnp.int32), jnp.zeros(0, jnp.int32),
-                                        jnp.zeros(0, jnp.int32), chunk_start, num_slots)
   seq_meta = (chunk_start, nch, cu[:-1], seq_lens, jnp.arange(N, dtype=jnp.int32), jnp.ones(N, jnp.int32))
 
-  @jax.jit
-  def state(work, pool):
-    pool_ref = jax.new_ref(pool)
-    o = prefill_state.state_pass(*work, pool_ref, seq_meta, ck, T=T, out_dtype=jnp.bfloat16)
-    return o, pool_ref[...]
+  def state_runner(per_seq_ckpt: int):
+    ind, off, slots = (jnp.asarray(a) for a in checkpoints(lens, per_seq_ckpt)) if per_seq_ckpt else (
+        jnp.zeros(N + 1, jnp.int32), jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32))
+    ck = prefill_kernel._checkpoint_table(ind, off, slots, chunk_start, num_slots)
+    pool = jnp.zeros((N + off.shape[0], H, V, K), jnp.float32).at[:N].set(x["h0"])
 
-  pool = jnp.asarray(x["h0"])
+    @jax.jit
+    def state(work, pool):
+      pool_ref = jax.new_ref(pool)
+      o = prefill_state.state_pass(*work, pool_ref, seq_meta, ck, T=T, out_dtype=jnp.bfloat16)
+      return o, pool_ref[...]
+
+    return lambda n: jax.block_until_ready([state(work, pool) for _ in range(n)])
 
   def run_prep(n):
     jax.block_until_ready([prep(*pargs) for _ in range(n)])
 
-  def run_state(n):
-    jax.block_until_ready([state(work, pool) for _ in range(n)])
-
-  return dict(T=T, H=H, N=N, prep_ms=bench(run_prep, iters), state_ms=bench(run_state, iters))
+  return dict(T=T, H=H, N=N, prep_ms=bench(run_prep, iters), state_ms=bench(state_runner(0), iters),
+              state_ckpt1_ms=bench(state_runner(1), iters))
 
 
 def check_vs_xla(lens=(0, 300, 700), H: int = 4) -> float:
@@ -283,7 +287,7 @@ def main():
   parser.add_argument("--commit", default="unknown")
   parser.add_argument("--skip", nargs="*", default=[], choices=[p for p, _ in PEERS], help="peers not to run")
   parser.add_argument("--watchdog", type=float, default=500.0)
-  parser.add_argument("--profile", action="store_true", help="only time the two stages separately")
+  parser.add_argument("--profile", action="store_true", help="only time the two stages separately (stage 2 also with checkpoints)")
   parser.add_argument("--quick", action="store_true", help="no bf16-state and checkpoint rows (make gpu-check)")
   parser.add_argument("--shapes", type=int, nargs="+", default=list(range(len(SHAPES))),
                       help="indices into SHAPES, in the order to run them")
