@@ -287,7 +287,8 @@ def main():
   parser.add_argument("--commit", default="unknown")
   parser.add_argument("--skip", nargs="*", default=[], choices=[p for p, _ in PEERS], help="peers not to run")
   parser.add_argument("--watchdog", type=float, default=500.0)
-  parser.add_argument("--profile", action="store_true", help="only time the two stages separately (stage 2 also with checkpoints)")
+  parser.add_argument("--profile", action="store_true",
+                      help="only time the two stages separately (stage 2 also with checkpoints)")
   parser.add_argument("--quick", action="store_true", help="no bf16-state and checkpoint rows (make gpu-check)")
   parser.add_argument("--shapes", type=int, nargs="+", default=list(range(len(SHAPES))),
                       help="indices into SHAPES, in the order to run them")

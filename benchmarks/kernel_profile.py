@@ -19,11 +19,10 @@ thousands of SM clock cycles: the profiler stamps each event with ``%clock`` (an
 
 Caveats: the profile buffer takes ``16 * space`` bytes of SMEM per warpgroup, which can lower the programs per SM
 (the KDA prep runs two per SM at about 98 KB; 512 keeps it there) or not fit at all (the MLA decode with 64-row
-tiles has less than 1.5 KB left for its three warpgroups: 16 fits, 32 did not); a warpgroup records at most ``space`` phases,
-later ones are dropped (the state pass has 5 per chunk and the decode's leader 4 per page, so their totals cover
-the first chunks or pages only, their per-occurrence medians are not affected); each phase boundary adds a few
-cycles. ``summarise`` also reads traces
-of any other kernel.
+tiles has less than 1.5 KB left for its three warpgroups: 16 fits, 32 did not); a warpgroup records at most
+``space`` phases, later ones are dropped (the state pass has 5 per chunk and the decode's leader 4 per page, so
+their totals cover the first chunks or pages only, their per-occurrence medians are not affected); each phase
+boundary adds a few cycles. ``summarise`` also reads traces of any other kernel.
 """
 
 import argparse
