@@ -3,7 +3,7 @@ decode kernels.
 
 Run on the GPU machine from the repository root::
 
-  PYTHONPATH=. python3 benchmarks/kernel_profile.py kda-prefill [--lens 8192] [--heads 96] [--space 512]
+  PYTHONPATH=. python3 benchmarks/kernel_profile.py kda-prefill [--lens 8192] [--heads 96] [--ckpt 0] [--space 512]
   PYTHONPATH=. python3 benchmarks/kernel_profile.py mla-decode [--batch 32] [--context 32768] [--heads 128]
       [--wide] [--space 16]
 
@@ -83,8 +83,9 @@ def print_summary(summary: dict) -> None:
 def run_kda_prefill(args: argparse.Namespace) -> str:
   from benchmarks.kda_prefill import make_inputs, ours_runner
 
-  ours_runner(make_inputs(args.lens, args.heads), args.lens, args.heads)  # makes (and waits for) one call
-  return f"kda_prefill lens={args.lens} H={args.heads}"
+  # makes (and waits for) one call
+  ours_runner(make_inputs(args.lens, args.heads), args.lens, args.heads, per_seq_ckpt=args.ckpt)
+  return f"kda_prefill lens={args.lens} H={args.heads} checkpoints per sequence={args.ckpt}"
 
 
 def run_mla_decode(args: argparse.Namespace) -> str:
@@ -116,6 +117,7 @@ def main() -> int:
   parser.add_argument("op", choices=tuple(OPS))
   parser.add_argument("--lens", type=int, nargs="+", default=[8192], help="kda-prefill: packed sequence lengths")
   parser.add_argument("--heads", type=int, default=None, help="heads (default 96 for kda-prefill, 128 mla-decode)")
+  parser.add_argument("--ckpt", type=int, default=0, help="kda-prefill: checkpoints per sequence")
   parser.add_argument("--batch", type=int, default=32, help="mla-decode: sequences")
   parser.add_argument("--context", type=int, default=32768, help="mla-decode: tokens per sequence")
   parser.add_argument("--wide", action="store_true", help="mla-decode: the 64-row head tiles at any Hq")
