@@ -2,8 +2,9 @@
 
 Each example draws a whole decode batch: lengths with the page edges (0, 1, 63, 64, 65, full), scattered
 page ids, padding ids past each sequence's last page, ``num_splits`` from 1 to more splits than pages (or
-the heuristic), the narrow (transposed) kernel or the 64-row tiles up to 32 heads, both partial dtypes, diffuse to peaky attention (a few rows aligned with a head's query,
-whose logits stand far above the rest), and poison (NaN, +-inf or a huge value) in every cache row that is
+the heuristic), the narrow (transposed) kernel or the 64-row tiles up to 32 heads, both partial dtypes,
+diffuse to peaky attention (a few rows aligned with a head's query, whose logits stand far above the rest),
+and poison (NaN, +-inf or a huge value) in every cache row that is
 no token: the rows past a sequence's end and the pages no table uses. The kernel (``kernel_impl``) is
 compared with the split reference (``impl="xla"``, same splits and partial dtype) and with the float64
 oracle of ``pallas_kernels.testing``; the same batches over an fp8 cache against the oracle of the values its

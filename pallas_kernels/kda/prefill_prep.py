@@ -265,8 +265,8 @@ def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_t: jax
     beta_t: ``[H, T + C]`` f32, raw β transposed and padded by C columns (read a chunk at a time).
     A_log: ``[H]`` f32. dt_bias: ``[H, K]`` f32.
     chunk_tok: ``[S]`` int32 first token of each chunk slot. chunk_len: ``[S]`` int32 valid rows (0..64).
-    smem_operands: every wgmma operand from SMEM (interpret mode needs that); False takes the inverse's A
-      operands from registers (the GPU).
+    smem_operands: every wgmma operand from SMEM (interpret mode needs that); False takes the A operands of
+      the inverse and of W/U from registers (the GPU).
 
   Returns:
     ``qg [S, H, C, K]``, ``kg [S, H, C, K]``, ``neg_w [S, H, C, K]``, ``u [S, H, C, V]``, ``aqk [S, H, C, C]``

@@ -1,7 +1,8 @@
 """Split-K absorbed MLA decode as a Pallas Mosaic GPU kernel (Hopper).
 
-One program per (split, sequence, 64-row head tile), head tiles fastest; a memory warpgroup streams the
-sequence's pages by TMA into a two-slot ring that two compute warpgroups share (QK and the softmax on one,
+One program per (split, sequence, 64-row head tile), head tiles fastest, or with ``narrow`` per (split,
+sequence) for all heads with the products transposed (the heads as the MMA's N); a memory warpgroup streams
+the sequence's pages by TMA into a two-slot ring that two compute warpgroups share (QK and the softmax on one,
 ``P @ V`` split by output columns over both). An fp8 cache (``cache_format``) is dequantised on chip into a bf16
 tile first. See README.md for the derivation, the NaN rules, the fp8 pages and the SMEM budget.
 """
