@@ -266,6 +266,25 @@ def profile(lens, H: int, iters: int = 10) -> dict:
               state_ckpt1_ms=bench(state_runner(1), iters))
 
 
+def kernel_table(lens, H: int, calls: int = 5) -> dict:
+  """Every GPU kernel of one whole ``kda_prefill`` call (CUPTI, mean ms per call by kernel name) for the base
+  and the one-checkpoint variant: where the checkpoints' end-to-end overhead goes, kernel by kernel."""
+  from benchmarks._harness import cupti_kernels
+
+  x = make_inputs(lens, H)
+  tables = {}
+  for variant, kw in (("base", {}), ("ckpt1", dict(per_seq_ckpt=1))):
+    run, _ = ours_runner(x, lens, H, **kw)
+    run(2)
+    with cupti_kernels() as records:
+      run(calls)
+    per_name: dict[str, float] = {}
+    for name, ms in records:
+      per_name[name] = per_name.get(name, 0.0) + ms / calls
+    tables[variant] = dict(sorted(per_name.items(), key=lambda kv: -kv[1]))
+  return tables
+
+
 def check_vs_xla(lens=(0, 300, 700), H: int = 4) -> float:
   x = make_inputs(lens, H)
   N = len(lens)
@@ -288,7 +307,8 @@ def main():
   parser.add_argument("--skip", nargs="*", default=[], choices=[p for p, _ in PEERS], help="peers not to run")
   parser.add_argument("--watchdog", type=float, default=500.0)
   parser.add_argument("--profile", action="store_true",
-                      help="only time the two stages separately (stage 2 also with checkpoints)")
+                      help="only time the two stages separately (stage 2 also with checkpoints) and list every "
+                      "kernel of a whole call with and without a checkpoint")
   parser.add_argument("--quick", action="store_true", help="no bf16-state and checkpoint rows (make gpu-check)")
   parser.add_argument("--shapes", type=int, nargs="+", default=list(range(len(SHAPES))),
                       help="indices into SHAPES, in the order to run them")
@@ -298,6 +318,11 @@ def main():
   if args.profile:
     for name, lens, H in (SHAPES[0], SHAPES[3]):
       print(name, json.dumps(profile(lens, H)), flush=True)
+    for name, lens, H in (SHAPES[0], SHAPES[2]):
+      for variant, table in kernel_table(lens, H).items():
+        print(name, variant, f"{sum(table.values()):.4f} ms in kernels:", flush=True)
+        for kernel, ms in table.items():
+          print(f"  {ms:9.4f}  {kernel[:100]}", flush=True)
     print("rel RMSE of o vs impl='xla' (T=1000 varlen, H=4):", check_vs_xla(), flush=True)
     return 0
   results, skip = [], set(args.skip)
