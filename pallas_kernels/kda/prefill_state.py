@@ -20,7 +20,6 @@ from pallas_kernels.kda.config import CHUNK_SIZE as C
 
 BV = 64  # V-block of one warpgroup
 NBUF = 2  # prefetch depth (stages of the chunk-input ring)
-MAX_WGS = 2  # V-blocks (warpgroups) of one program: they share the ring's V-independent inputs
 
 
 def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref,
@@ -159,9 +158,18 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
     pl.when(wg == w)(functools.partial(warpgroup, w))
 
 
+def choose_v_blocks(num_seqs: int, num_heads: int, vdim: int) -> int:
+  """The default ``v_blocks``: 2 where one-block programs (``V / BV`` per head and sequence) are more than one
+  wave of SMs, 1 otherwise. A two-block program takes less than twice one block's time (the shared inputs
+  load once), so halving the programs wins once they no longer all fit one wave, and loses while halving
+  them idles SMs (few heads, or long single sequences at few heads)."""
+  blocks = vdim // BV
+  return 2 if blocks % 2 == 0 and blocks * num_heads * num_seqs > util.NUM_SMS else 1
+
+
 def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk: jax.Array,
                chunk_decay: jax.Array, pool_ref, seq_meta: tuple[jax.Array, ...], ck_meta: tuple[jax.Array, ...],
-               *, T: int, out_dtype) -> jax.Array:
+               *, T: int, out_dtype, v_blocks: int) -> jax.Array:
   """Stage 2. Writes final states / checkpoints into ``pool_ref`` (a ``jax.new_ref`` of the pool) in place.
 
   Args:
@@ -171,7 +179,8 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
       has-initial-state (0/1).
     ck_meta: checkpoints sorted by chunk slot: per chunk slot the range ``[lo, hi)`` into the sorted list
       (``[S]`` int32 each) and the sorted destination slots (``[M']`` int32, -1 = skip).
-    T: total tokens. out_dtype: dtype of ``o``.
+    T: total tokens. out_dtype: dtype of ``o``. v_blocks: V-blocks of ``BV`` per program (a warpgroup each,
+      sharing the V-independent chunk inputs), 1 or 2 (``KdaTuning.prefill_v_blocks``); divides ``V / BV``.
 
   Returns:
     ``o [T, H, V]`` in ``out_dtype``.
@@ -179,7 +188,9 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
   _, H, _, K = qg.shape
   V = u.shape[-1]
   N = seq_meta[0].shape[0]
-  wgs = MAX_WGS if (V // BV) % MAX_WGS == 0 else 1
+  wgs = v_blocks
+  if wgs not in (1, 2) or (V // BV) % wgs:
+    raise ValueError(f"v_blocks must be 1 or 2 and divide V / {BV} = {V // BV}, got {v_blocks}")
   # Per warpgroup one union: the bf16 state and E stashes of a chunk, or the pool-dtype staging of a state.
   wg_buf = lambda: plgpu.RefUnion((tiled((BV, K)), tiled((C, BV))), plgpu.SMEM((BV, K), pool_ref.dtype))
   scratch = [
