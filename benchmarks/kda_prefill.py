@@ -227,9 +227,9 @@ PEERS = (("fla", fla), ("flashkda", flashkda))
 
 
 def profile(lens, H: int, iters: int = 10) -> dict:
-  """Times stage 1 (prep) and stage 2 (state pass) of our kernel separately (ms), and stage 2 again with one
-  checkpoint per sequence (``state_ckpt1_ms``: what the checkpoints cost inside the kernel, against the whole
-  call's overhead from ``paired_overheads``)."""
+  """Times stage 1 (prep) and stage 2 (state pass, the default ``prefill_v_blocks``) of our kernel separately
+  (ms), stage 2 again with one checkpoint per sequence (``state_ckpt1_ms``: what the checkpoints cost inside the
+  kernel, against the whole call's overhead from ``paired_overheads``) and with each ``v_blocks``."""
   from pallas_kernels.kda import prefill_kernel, prefill_prep, prefill_state
 
   x = make_inputs(lens, H)
@@ -245,7 +245,10 @@ def profile(lens, H: int, iters: int = 10) -> dict:
   work = prep(*pargs)
   seq_meta = (chunk_start, nch, cu[:-1], seq_lens, jnp.arange(N, dtype=jnp.int32), jnp.ones(N, jnp.int32))
 
-  def state_runner(per_seq_ckpt: int):
+  default_v_blocks = kda.default_tuning(num_seqs=N, num_heads=H, key_dim=K, value_dim=V,
+                                        state_dtype=jnp.float32).prefill_v_blocks
+
+  def state_runner(per_seq_ckpt: int, v_blocks: int = default_v_blocks):
     ind, off, slots = (jnp.asarray(a) for a in checkpoints(lens, per_seq_ckpt)) if per_seq_ckpt else (
         jnp.zeros(N + 1, jnp.int32), jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32))
     ck = prefill_kernel._checkpoint_table(ind, off, slots, chunk_start, num_slots)
@@ -254,7 +257,7 @@ def profile(lens, H: int, iters: int = 10) -> dict:
     @jax.jit
     def state(work, pool):
       pool_ref = jax.new_ref(pool)
-      o = prefill_state.state_pass(*work, pool_ref, seq_meta, ck, T=T, out_dtype=jnp.bfloat16)
+      o = prefill_state.state_pass(*work, pool_ref, seq_meta, ck, T=T, out_dtype=jnp.bfloat16, v_blocks=v_blocks)
       return o, pool_ref[...]
 
     return lambda n: jax.block_until_ready([state(work, pool) for _ in range(n)])
@@ -262,8 +265,9 @@ def profile(lens, H: int, iters: int = 10) -> dict:
   def run_prep(n):
     jax.block_until_ready([prep(*pargs) for _ in range(n)])
 
-  return dict(T=T, H=H, N=N, prep_ms=bench(run_prep, iters), state_ms=bench(state_runner(0), iters),
-              state_ckpt1_ms=bench(state_runner(1), iters))
+  return dict(T=T, H=H, N=N, prep_ms=bench(run_prep, iters), v_blocks=default_v_blocks,
+              state_ms=bench(state_runner(0), iters), state_ckpt1_ms=bench(state_runner(1), iters),
+              **{f"state_v{b}_ms": bench(state_runner(0, b), iters) for b in (1, 2)})
 
 
 def kernel_table(lens, H: int, calls: int = 5) -> dict:

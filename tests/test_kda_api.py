@@ -143,8 +143,9 @@ def test_prefill_traced_indices_under_jit():
 @pytest.mark.parametrize("impl", ["pallas", "interpret"])
 def test_kernel_dispatch(impl, monkeypatch):
   """impl "pallas"/"interpret" hand the validated inputs to the kernel entry points (stubbed here; the
-  kernels are tested in their own files), with empty checkpoint arrays when none are given, and the decode
-  kernel its ``KdaTuning.decode_state_io``, the ``default_tuning`` of the call's shapes where that is None."""
+  kernels are tested in their own files), with empty checkpoint arrays when none are given, the prefill
+  kernel its ``KdaTuning.prefill_v_blocks`` and the decode kernel its ``decode_state_io``, the
+  ``default_tuning`` of the call's shapes where that is None."""
   seen = {}
 
   def fake(*args, config, interpret, **tuning):
@@ -163,7 +164,11 @@ def test_kernel_dispatch(impl, monkeypatch):
   np.testing.assert_array_equal(np.asarray(indptr), np.zeros(3))
   assert indptr.dtype == offsets.dtype == slots.dtype == jnp.int32
   assert offsets.shape == slots.shape == (0,)
-  assert seen["tuning"] == {}
+  prefill_heuristic = default_tuning(num_seqs=2, num_heads=H, key_dim=K, value_dim=V, state_dtype=jnp.float32)
+  assert seen["tuning"] == {"v_blocks": prefill_heuristic.prefill_v_blocks}
+  for v_blocks in (1, 2):
+    assert kda_prefill(**a, config=KdaConfig(impl=impl, tuning=KdaTuning(prefill_v_blocks=v_blocks))) == "sentinel"
+    assert seen["tuning"] == {"v_blocks": v_blocks}
   d = decode_args()
   assert kda_decode(**d, config=cfg) == "sentinel"
   assert seen["interpret"] == (impl == "interpret") and seen["args"][-1] is None

@@ -144,13 +144,15 @@ def test_default_tuning_rule():
   assert rule(1, 48, 128, jnp.float32) == rule(1, 288, 128, jnp.bfloat16) == "tma"
   # Only the product N * H counts.
   assert default_tuning(num_seqs=8, num_heads=128, key_dim=128, value_dim=128,
-                        state_dtype="float32") == KdaTuning(decode_state_io=rule(1024, 128, 128, jnp.float32))
+                        state_dtype="float32").decode_state_io == rule(1024, 128, 128, jnp.float32)
 
 
 @pytest.mark.parametrize("make, match", [
     (lambda: KdaTuning(decode_state_io="smem"),
      r"decode_state_io must be None or one of \('tma', 'direct16', 'direct64', 'direct128'\), got 'smem'"),
     (lambda: KdaConfig(tuning="direct16"), r"tuning must be a KdaTuning or None, got 'direct16'"),
+    (lambda: KdaTuning(prefill_v_blocks=3), r"prefill_v_blocks must be None, 1 or 2, got 3"),
+    (lambda: KdaTuning(prefill_v_blocks=True), r"prefill_v_blocks must be None, 1 or 2, got True"),
     (lambda: default_tuning(num_seqs=1, num_heads=0, key_dim=128, value_dim=128, state_dtype=jnp.float32),
      r"num_heads must be an int >= 1, got 0"),
     (lambda: default_tuning(num_seqs=-1, num_heads=1, key_dim=128, value_dim=128, state_dtype=jnp.float32),

@@ -19,6 +19,7 @@ from pallas_kernels.testing import kda_gate_params, kda_inputs, kda_prefill_orac
 from kda_support import PREFILL_TOL, check_prefill, prefill_to_jax, run_prefill
 
 SMALL = dict(lens=(70, 0, 30), H=1, K=64, V=64)
+SMALL_PAIR = dict(lens=(70, 0, 30), H=1, K=64, V=128)  # two V-blocks: one program or two
 LARGE = dict(lens=(0, 1, 63, 64, 65, 1300), H=4, K=128, V=128)
 POISON = 1e30
 
@@ -73,7 +74,10 @@ def _oracle(inputs, pool, arrays, *, lower_bound):
   return o, new_pool
 
 
-CASES = [pytest.param(SMALL, id="small"), pytest.param(LARGE, id="large", marks=pytest.mark.gpu)]
+# (sizes, value blocks per state-pass program): the heuristic, which takes 1 at these batch sizes, and 2.
+CASES = [pytest.param(SMALL, None, id="small"), pytest.param(SMALL_PAIR, 2, id="small-pair"),
+         pytest.param(LARGE, None, id="large", marks=pytest.mark.gpu),
+         pytest.param(LARGE, 2, id="large-pair", marks=pytest.mark.gpu)]
 GATES = [pytest.param(-5.0, jnp.float32, False, id="lb-f32state"),
          pytest.param(None, jnp.bfloat16, True, id="softplus-bf16state-saturated")]
 GATES_GPU = [pytest.param(-5.0, jnp.bfloat16, True, id="lb-bf16state-saturated", marks=pytest.mark.gpu),
@@ -81,12 +85,13 @@ GATES_GPU = [pytest.param(-5.0, jnp.bfloat16, True, id="lb-bf16state-saturated",
 
 
 @pytest.mark.parametrize("lower_bound,state_dtype,saturated", GATES + GATES_GPU)
-@pytest.mark.parametrize("sizes", CASES)
-def test_prefill_matches_oracle_and_xla(kernel_impl, sizes, lower_bound, state_dtype, saturated):
+@pytest.mark.parametrize("sizes,v_blocks", CASES)
+def test_prefill_matches_oracle_and_xla(kernel_impl, sizes, v_blocks, lower_bound, state_dtype, saturated):
   x, pool, arrays, config = _problem(0, saturated=saturated, state_dtype=state_dtype, lower_bound=lower_bound,
                                      **sizes)
   inputs, pool_j, arrays_j = prefill_to_jax(x, pool, arrays, state_dtype)
-  o, new_pool = run_prefill(inputs, pool_j, arrays_j, kernel_impl, **config)
+  o, new_pool = run_prefill(inputs, pool_j, arrays_j, kernel_impl, tuning=kda.KdaTuning(prefill_v_blocks=v_blocks),
+                            **config)
   assert o.dtype == jnp.bfloat16
   ref_o, ref_pool = _oracle(inputs, pool_j, arrays, lower_bound=lower_bound)
   T, H, _ = x["v"].shape
@@ -145,13 +150,22 @@ def test_prefix_identity(kernel_impl):
   np.testing.assert_array_equal(np.asarray(pool_tail[1]), np.asarray(pool_full[0]))
 
 
-@pytest.mark.parametrize("K,V", [(96, 128), (128, 96)])
-def test_unsupported_head_dims(K, V):
+@pytest.mark.parametrize("K,V,v_blocks", [(96, 128, 1), (128, 96, 1), (128, 64, 2), (128, 192, 2)])
+def test_unsupported_head_dims(K, V, v_blocks):
   z = jnp.zeros((64, 1, K), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="K must be|V must be"):
     prefill_kernel.kda_prefill_mosaic(z, z, jnp.zeros((64, 1, V), jnp.bfloat16), z, jnp.zeros((64, 1)),
                                       None, None, None, None, None, None, None, None, None,
-                                      config=kda.KdaConfig(impl="interpret"), interpret=True)
+                                      config=kda.KdaConfig(impl="interpret"), interpret=True, v_blocks=v_blocks)
+
+
+def test_v_blocks_rule():
+  """``default_tuning``'s ``prefill_v_blocks``: 2 once the one-block state-pass programs (``V / 64`` per head
+  and sequence) are more than one wave of the 132 SMs and ``V / 64`` is even, else 1."""
+  rule = lambda N, H, V: kda.default_tuning(num_seqs=N, num_heads=H, key_dim=128, value_dim=V,
+                                            state_dtype=jnp.float32).prefill_v_blocks
+  assert [rule(1, 96, 128), rule(8, 96, 128), rule(1, 67, 128)] == [2, 2, 2]
+  assert [rule(1, 32, 128), rule(1, 11, 128), rule(1, 66, 128), rule(200, 4, 192), rule(0, 96, 128)] == [1] * 5
 
 
 @pytest.mark.parametrize("lower_bound,state_dtype,in_dtype", [
@@ -166,6 +180,7 @@ def test_lowers_for_cuda(lower_bound, state_dtype, in_dtype):
   args += [arrays_j[n] for n in ("cu_seqlens",)] + [pool_j] + [
       arrays_j[n] for n in ("state_indices", "has_initial_state", "checkpoint_indptr", "checkpoint_offsets",
                             "checkpoint_slots")]
-  f = functools.partial(prefill_kernel._prefill, config=kda.KdaConfig(impl="pallas", **config),
-                        interpret=False)
-  jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+  for v_blocks in (1, 2):
+    f = functools.partial(prefill_kernel._prefill, config=kda.KdaConfig(impl="pallas", **config),
+                          interpret=False, v_blocks=v_blocks)
+    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))

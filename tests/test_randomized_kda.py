@@ -19,7 +19,7 @@ import numpy as np
 from hypothesis import example, given, strategies as st
 
 from pallas_kernels import util
-from pallas_kernels.kda import KdaConfig, kda_decode
+from pallas_kernels.kda import KdaConfig, KdaTuning, kda_decode
 from pallas_kernels.kda.config import CHUNK_SIZE as C
 from pallas_kernels.testing import kda_gate_params, kda_inputs
 from kda_support import PREFILL_TOL, check_decode, check_prefill, prefill_to_jax, run_prefill
@@ -50,6 +50,8 @@ def _raw_tokens(rng: np.random.Generator, lead: tuple[int, ...], H: int, K: int,
 GATES = st.sampled_from([None, -5.0, -1.0])
 GATE_KINDS = st.sampled_from(["init", "init", "A_log=16", "A_log=20"])
 STATE_DTYPES = st.sampled_from([jnp.float32, jnp.bfloat16])
+# Value blocks per program of the prefill's state pass: the heuristic, or either value where V allows it.
+V_BLOCKS = st.sampled_from([None, 1, 2] if HEAD_DIM % 128 == 0 else [None, 1])
 
 
 @st.composite
@@ -67,12 +69,12 @@ def prefill_batches(draw):
 
 @budget(cpu=4, gpu=8)
 @given(batch=prefill_batches(), seed=SEEDS, lower_bound=GATES, gate_kind=GATE_KINDS, spiky=st.booleans(),
-       state_dtype=STATE_DTYPES)
+       state_dtype=STATE_DTYPES, v_blocks=V_BLOCKS)
 # Found by this test: g = -1e13 per token (A_log = 20, g_raw = 1e5) once made the kernel's chunk cumulative
 # sums lose every digit of later tokens' gates (NaN and 77% error), until the per-token gate got a floor.
 @example(batch=([2, 16, 63], [False, True, False], [True, False, False], [], []), seed=15806, lower_bound=None,
-         gate_kind="A_log=20", spiky=True, state_dtype=jnp.bfloat16)
-def test_kda_prefill(kernel_impl, batch, seed, lower_bound, gate_kind, spiky, state_dtype):
+         gate_kind="A_log=20", spiky=True, state_dtype=jnp.bfloat16, v_blocks=None)
+def test_kda_prefill(kernel_impl, batch, seed, lower_bound, gate_kind, spiky, state_dtype, v_blocks):
   lens, has, no_slot, ckpts, ck_minus_one = batch
   rng = np.random.default_rng(seed)
   H, K = HEADS, HEAD_DIM
@@ -92,7 +94,8 @@ def test_kda_prefill(kernel_impl, batch, seed, lower_bound, gate_kind, spiky, st
                 checkpoint_offsets=np.asarray([c[1] for c in ckpts], np.int32), checkpoint_slots=ck_slots)
   inputs, pool_j, arrays_j = prefill_to_jax(x, pool, arrays, state_dtype)
   config = dict(lower_bound=lower_bound, state_dtype=state_dtype)
-  o, new_pool = run_prefill(inputs, pool_j, arrays_j, kernel_impl, **config)
+  o, new_pool = run_prefill(inputs, pool_j, arrays_j, kernel_impl, tuning=KdaTuning(prefill_v_blocks=v_blocks),
+                            **config)
   xo, xpool = run_prefill(inputs, pool_j, arrays_j, "xla", **config)
   T = sum(lens)
   xo64, xpool64 = np.asarray(xo, np.float64), np.asarray(xpool, np.float64)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import util
-from pallas_kernels.kda import checks, decode_kernel, prefill_kernel, reference
+from pallas_kernels.kda import checks, decode_kernel, prefill_kernel, prefill_state, reference
 from pallas_kernels.kda.config import KdaConfig, KdaTuning
 
 # The kernels index with int32.
@@ -85,7 +85,8 @@ def default_tuning(*, num_seqs: int, num_heads: int, key_dim: int, value_dim: in
   Returns:
     A ``KdaTuning`` with every field set. ``decode_state_io``: small register blocks while a small batch of
     ``N * H`` heads is latency bound (more programs spread it over more SMs), bigger ones once it is
-    bandwidth bound; "tma" where ``K`` does not fit the direct paths.
+    bandwidth bound; "tma" where ``K`` does not fit the direct paths. ``prefill_v_blocks``: 2 once the
+    one-block programs of the state pass are more than one wave of SMs (``prefill_state.choose_v_blocks``).
 
   Raises:
     ValueError: a size that is not an int (``num_seqs`` >= 0, the others >= 1) or a state dtype other than
@@ -97,7 +98,8 @@ def default_tuning(*, num_seqs: int, num_heads: int, key_dim: int, value_dim: in
       raise ValueError(f"{name} must be an int >= {least}, got {size!r}")
   state_dtype = util.canonical_dtype("state_dtype", state_dtype, (jnp.float32, jnp.bfloat16))
   return KdaTuning(decode_state_io=decode_kernel.choose_state_io(num_seqs * num_heads, key_dim, value_dim,
-                                                                 state_dtype))
+                                                                 state_dtype),
+                   prefill_v_blocks=prefill_state.choose_v_blocks(num_seqs, num_heads, value_dim))
 
 
 def _resolve_tuning(tuning: KdaTuning | None, default: KdaTuning) -> KdaTuning:
@@ -133,7 +135,8 @@ def kda_prefill(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta
     checkpoint_offsets: ``[M]`` int32, tokens from the sequence start, multiples of ``chunk_size``,
       in ``(0, L_n]``; the state after that many tokens is written to ``checkpoint_slots``.
     checkpoint_slots: ``[M]`` int32 destination pool slots (-1: skip).
-    config: ``KdaConfig``.
+    config: ``KdaConfig``; the kernel impls take ``config.tuning.prefill_v_blocks`` (None fields:
+      ``default_tuning`` of these shapes).
 
   Returns:
     ``o [T, H, V]`` in q's dtype, and the new ``state_pool`` (same shape/dtype; only the slots named by
@@ -142,7 +145,7 @@ def kda_prefill(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta
   Raises:
     ValueError: bad shapes, dtypes or (for concrete index arrays) index values.
     NotImplementedError: ``impl="pallas"/"interpret"`` with head sizes the kernel does not take (K other
-      than 64 or 128, V not a multiple of its value block).
+      than 64 or 128, V not a multiple of its value blocks: 64, or 128 with ``prefill_v_blocks=2``).
   """
   config = KdaConfig() if config is None else config
   H, K, V, P = _check_inputs(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, config, lead_ndim=1)
@@ -159,7 +162,10 @@ def kda_prefill(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta
           checkpoint_indptr, checkpoint_offsets, checkpoint_slots)
   if config.impl == "xla":
     return _prefill_xla(*args, config=config)
-  return prefill_kernel.kda_prefill_mosaic(*args, config=config, interpret=config.impl == "interpret")
+  tuning = _resolve_tuning(config.tuning, default_tuning(num_seqs=state_indices.shape[0], num_heads=H,
+                                                         key_dim=K, value_dim=V, state_dtype=config.state_dtype))
+  return prefill_kernel.kda_prefill_mosaic(*args, config=config, interpret=config.impl == "interpret",
+                                           v_blocks=tuning.prefill_v_blocks)
 
 
 def kda_decode(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_raw: jax.Array, *,

@@ -32,13 +32,20 @@ class KdaTuning:
       "direct16" / "direct64" / "direct128" (plain global loads and stores into registers on blocks of that
       many V rows; need ``K % 32 == 0``, ``K <= 256`` and ``V`` a multiple of the rows) or "tma" (TMA through
       SMEM on 64-row blocks, any ``K % 8 == 0``).
+    prefill_v_blocks: value blocks of 64 columns per program of the prefill's state pass (a warpgroup each),
+      1 or 2. Two share one load of the chunk inputs that do not depend on V (fewer bytes per block, more
+      SMEM, half the programs); need ``V`` a multiple of 128.
   """
 
   decode_state_io: str | None = None
+  prefill_v_blocks: int | None = None
 
   def __post_init__(self):
     if self.decode_state_io is not None and self.decode_state_io not in DECODE_STATE_IO:
       raise ValueError(f"decode_state_io must be None or one of {DECODE_STATE_IO}, got {self.decode_state_io!r}")
+    if self.prefill_v_blocks is not None and (isinstance(self.prefill_v_blocks, bool)
+                                              or self.prefill_v_blocks not in (1, 2)):
+      raise ValueError(f"prefill_v_blocks must be None, 1 or 2, got {self.prefill_v_blocks!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

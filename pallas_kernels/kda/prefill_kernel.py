@@ -55,17 +55,18 @@ def _checkpoint_table(indptr, offsets, slots, chunk_start, num_slots: int):
   return lo, hi, sorted_slot.astype(jnp.int32)
 
 
-def _check_supported(K: int, V: int) -> None:
+def _check_supported(K: int, V: int, v_blocks: int) -> None:
   if K not in (64, 128):
     raise NotImplementedError(f"kda_prefill kernel: K must be 64 or 128, got {K}")
-  if V % prefill_state.BV:
-    raise NotImplementedError(f"kda_prefill kernel: V must be a multiple of {prefill_state.BV}, got {V}")
+  if V % (prefill_state.BV * v_blocks):
+    raise NotImplementedError(f"kda_prefill kernel: V must be a multiple of {prefill_state.BV * v_blocks} "
+                              f"(prefill_v_blocks={v_blocks}), got {V}")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "v_blocks"))
 def _prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, cu_seqlens, state_pool, state_indices,
              has_initial_state, checkpoint_indptr, checkpoint_offsets, checkpoint_slots, *, config: KdaConfig,
-             interpret: bool):
+             interpret: bool, v_blocks: int):
   T, H, K = q.shape
   N = state_indices.shape[0]
   scale = K ** -0.5 if config.scale is None else config.scale
@@ -83,7 +84,7 @@ def _prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, cu_seqlens, state_pool, s
     seq_meta = (chunk_start, nch, cu_seqlens[:-1].astype(jnp.int32), lens.astype(jnp.int32),
                 state_indices, has_initial_state.astype(jnp.int32))
     pool_ref = jax.new_ref(state_pool)
-    o = prefill_state.state_pass(*work, pool_ref, seq_meta, ck, T=T, out_dtype=q.dtype)
+    o = prefill_state.state_pass(*work, pool_ref, seq_meta, ck, T=T, out_dtype=q.dtype, v_blocks=v_blocks)
   return o, pool_ref[...]
 
 
@@ -91,7 +92,7 @@ def kda_prefill_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Arra
                        A_log: jax.Array, dt_bias: jax.Array, cu_seqlens: jax.Array, state_pool: jax.Array,
                        state_indices: jax.Array, has_initial_state: jax.Array, checkpoint_indptr: jax.Array,
                        checkpoint_offsets: jax.Array, checkpoint_slots: jax.Array, *, config: KdaConfig,
-                       interpret: bool) -> tuple[jax.Array, jax.Array]:
+                       interpret: bool, v_blocks: int) -> tuple[jax.Array, jax.Array]:
   """Kernel path of ``kda_prefill``: inputs already validated by the public API (same shapes and meaning).
 
   Args:
@@ -101,13 +102,15 @@ def kda_prefill_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Arra
     state_indices: ``[N]`` int32 (-1: start from zero, write nothing). has_initial_state: ``[N]`` bool.
     checkpoint_indptr: ``[N+1]`` int32; checkpoint_offsets, checkpoint_slots: ``[M]`` int32.
     config: ``KdaConfig``. interpret: run the same kernels in Mosaic GPU interpret mode (CPU).
+    v_blocks: V-blocks per program of the state pass (``KdaTuning.prefill_v_blocks``).
 
   Returns:
-    ``o [T, H, V]`` in q's dtype and the new pool. Requires K in {64, 128} and V a multiple of 64.
+    ``o [T, H, V]`` in q's dtype and the new pool. Requires K in {64, 128} and V a multiple of 64 (128 with
+    two V-blocks per program).
     Destination slots (final states and checkpoints) must not be another sequence's initial-state slot
     (the kernels update the pool in place while other sequences read it).
   """
-  _check_supported(q.shape[-1], v.shape[-1])
+  _check_supported(q.shape[-1], v.shape[-1], v_blocks)
   T = q.shape[0]
   if T < C:
     # TMA boxes are one chunk tall: give the token arrays at least one chunk of (unused) rows. T = 0 runs
@@ -115,5 +118,5 @@ def kda_prefill_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Arra
     q, k, v, g_raw, beta_raw = (util.pad_rows(x, C) for x in (q, k, v, g_raw, beta_raw))
   o, pool = _prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, cu_seqlens, state_pool, state_indices,
                      has_initial_state, checkpoint_indptr, checkpoint_offsets, checkpoint_slots, config=config,
-                     interpret=interpret)
+                     interpret=interpret, v_blocks=v_blocks)
   return o[:T], pool

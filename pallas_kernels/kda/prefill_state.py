@@ -1,8 +1,9 @@
 """KDA prefill, stage 2 (sequential over the chunks of a sequence): state passing, output, pool I/O.
 
-One program per (V-block of 64, head, sequence), one warpgroup, carries one V-block of the f32 state through
-the sequence's chunks from the stage-1 workspaces, writes ``o`` and reads / writes the pool slots (initial
-state, checkpoints, final state) by TMA. See README.md, "Prefill stage 2".
+One program per (pair of V-blocks of 64, head, sequence), one warpgroup per V-block: each carries its V-block of
+the f32 state through the sequence's chunks from the stage-1 workspaces, writes ``o`` and reads / writes the pool
+slots (initial state, checkpoints, final state) by TMA; the chunk inputs that do not depend on V are loaded once
+for both. See README.md, "Prefill stage 2".
 """
 
 import functools
@@ -17,127 +18,158 @@ from pallas_kernels import util
 from pallas_kernels.kda._mosaic import COLV, WG, bcast_cols, bf16, f32, tiled
 from pallas_kernels.kda.config import CHUNK_SIZE as C
 
-BV = 64  # V-block of one program
+BV = 64  # V-block of one warpgroup
 NBUF = 2  # prefetch depth (stages of the chunk-input ring)
 
 
 def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref,
                 qg_ref, kg_ref, neg_w_ref, u_ref, aqk_ref, decay_ref, pool_ref,
                 o_ref,
-                neg_w_b, kg_b, qg_b, u_b, aqk_b, decay_b, st_s, e_s, o_s, stg, bars, pool_bar, *, K: int):
-  vb = lax.axis_index("v")
+                neg_w_b, kg_b, qg_b, u_b, aqk_b, decay_b, o_s, *rest, K: int, wgs: int):
+  wg_bufs, (bars, consumed, pool_bar) = rest[:wgs], rest[wgs:]
+  vg = lax.axis_index("v")
   h = lax.axis_index("h")
   n = lax.axis_index("n")
-  v0 = pl.multiple_of(vb * BV, BV)
   cs = cs_ref[n]
   nch = nch_ref[n]
   t0 = tok_ref[n]
   seq_len = len_ref[n]
   slot = slot_ref[n]
-  phases = util.Phases()  # named regions for the on-device profiler (util.compiler_params)
+  has_init = (slot >= 0) & (init_ref[n] != 0)
 
   def issue(i, st):
+    """Warpgroup 0 loads chunk i's inputs into stage st: the V-independent ones once, U per warpgroup."""
     gc = cs + i
     bar = bars.at[st]
     plgpu.copy_gmem_to_smem(neg_w_ref.at[gc, h], neg_w_b.at[st], bar)
     plgpu.copy_gmem_to_smem(kg_ref.at[gc, h], kg_b.at[st], bar)
     plgpu.copy_gmem_to_smem(qg_ref.at[gc, h], qg_b.at[st], bar)
-    plgpu.copy_gmem_to_smem(u_ref.at[gc, h, :, pl.ds(v0, BV)], u_b.at[st], bar)
     plgpu.copy_gmem_to_smem(aqk_ref.at[gc, h], aqk_b.at[st], bar)
     plgpu.copy_gmem_to_smem(decay_ref.at[gc, h], decay_b.at[st], bar)
+    for w in range(wgs):
+      plgpu.copy_gmem_to_smem(u_ref.at[gc, h, :, pl.ds((vg * wgs + w) * BV, BV)], u_b.at[st, w], bar)
 
-  phases.start("init")
-  for j in range(NBUF):
-    pl.when(nch > j)(functools.partial(issue, j, j))
+  def warpgroup(w: int):
+    """One V-block's recurrence. Its state stash, E stash and pool staging share one SMEM union: the staging
+    is used before the first chunk, after a checkpoint chunk's matmuls and after the last chunk."""
+    v0 = pl.multiple_of((vg * wgs + w) * BV, BV)
+    (st_s, e_s), stg = wg_bufs[w]
+    phases = util.Phases()  # named regions for the on-device profiler (util.compiler_params)
+    phases.start("init")
+    if w == 0:
+      for j in range(NBUF):
+        pl.when(nch > j)(functools.partial(issue, j, j))
 
-  has_init = (slot >= 0) & (init_ref[n] != 0)
+    @pl.when(has_init)
+    def _():
+      plgpu.copy_gmem_to_smem(pool_ref.at[slot, h, pl.ds(v0, BV)], stg, pool_bar.at[w])
+      plgpu.barrier_wait(pool_bar.at[w])
 
-  @pl.when(has_init)
-  def _():
-    plgpu.copy_gmem_to_smem(pool_ref.at[slot, h, pl.ds(v0, BV)], stg, pool_bar.at[0])
-    plgpu.barrier_wait(pool_bar.at[0])
+    # Uninitialised SMEM may hold NaN: select, never multiply by 0.
+    init_rows = plgpu.broadcasted_iota(jnp.int32, (BV, K), 0, layout=WG) < jnp.where(has_init, BV, 0)
+    s0 = jnp.where(init_rows, plgpu.load(stg, layout=WG, optimized=False).astype(f32), 0.0)
+    plgpu.commit_smem()  # every warp has read the staging before the state stash (same memory) is written
 
-  # Uninitialised SMEM may hold NaN: select, never multiply by 0.
-  init_rows = plgpu.broadcasted_iota(jnp.int32, (BV, K), 0, layout=WG) < jnp.where(has_init, BV, 0)
-  s0 = jnp.where(init_rows, plgpu.load(stg, layout=WG, optimized=False).astype(f32), 0.0)
+    def write_state(s, dst):
+      """``s`` into pool slot ``dst``; returns once the store has read the staging (the stashes' memory)."""
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      stg[...] = s.astype(stg.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(stg, pool_ref.at[dst, h, pl.ds(v0, BV)])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  def write_state(s, dst):
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    stg[...] = s.astype(stg.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(stg, pool_ref.at[dst, h, pl.ds(v0, BV)])
+    def step(i, s):
+      st = lax.rem(i, NBUF)
+      phases.start("inputs")
+      plgpu.barrier_wait(bars.at[st])
+      st_s[...] = s.astype(bf16)
+      plgpu.commit_smem()
 
-  def step(i, s):
-    st = lax.rem(i, NBUF)
-    phases.start("inputs")
-    plgpu.barrier_wait(bars.at[st])
-    st_s[...] = s.astype(bf16)
-    plgpu.commit_smem()
+      def first(acc_e, acc_o):
+        plgpu.wgmma(acc_e, neg_w_b.at[st], st_s.T)
+        plgpu.wgmma(acc_o, qg_b.at[st], st_s.T)
+        return acc_e[...], acc_o[...]
 
-    def first(acc_e, acc_o):
-      plgpu.wgmma(acc_e, neg_w_b.at[st], st_s.T)
-      plgpu.wgmma(acc_o, qg_b.at[st], st_s.T)
-      return acc_e[...], acc_o[...]
+      phases.start("e_o")
+      e, o = pl.run_scoped(first, plgpu.ACC((C, BV), f32), plgpu.ACC((C, BV), f32))
+      e = e + plgpu.load(u_b.at[st, w], layout=WG, optimized=False).astype(f32)
+      chunk_decay = plgpu.load(decay_b.at[st], layout=COLV, optimized=False)
+      e_s[...] = e.astype(bf16)
+      plgpu.commit_smem()
 
-    phases.start("e_o")
-    e, o = pl.run_scoped(first, plgpu.ACC((C, BV), f32), plgpu.ACC((C, BV), f32))
-    e = e + plgpu.load(u_b.at[st], layout=WG, optimized=False).astype(f32)
-    chunk_decay = plgpu.load(decay_b.at[st], layout=COLV, optimized=False)
-    e_s[...] = e.astype(bf16)
-    plgpu.commit_smem()
+      def second(acc_s, acc_o):
+        plgpu.wgmma(acc_s, e_s.T, kg_b.at[st])
+        plgpu.wgmma(acc_o, aqk_b.at[st], e_s)
+        return acc_s[...], acc_o[...]
 
-    def second(acc_s, acc_o):
-      plgpu.wgmma(acc_s, e_s.T, kg_b.at[st])
-      plgpu.wgmma(acc_o, aqk_b.at[st], e_s)
-      return acc_s[...], acc_o[...]
+      phases.start("state_o")
+      ds, o2 = pl.run_scoped(second, plgpu.ACC((BV, K), f32), plgpu.ACC((C, BV), f32))
+      s = s * bcast_cols(chunk_decay, (BV, K)) + ds
 
-    phases.start("state_o")
-    ds, o2 = pl.run_scoped(second, plgpu.ACC((BV, K), f32), plgpu.ACC((C, BV), f32))
-    s = s * bcast_cols(chunk_decay, (BV, K)) + ds
-    # Every read of stage st (wgmma and register loads) is complete: refill it.
-    pl.when(i + NBUF < nch)(functools.partial(issue, i + NBUF, st))
+      # Every read of stage st by this warpgroup (wgmma and register loads) is complete; warpgroup 0 refills
+      # it once all have said so (an arrival only when a refill follows: every phase is awaited).
+      @pl.when(i + NBUF < nch)
+      def _():
+        plgpu.barrier_arrive(consumed.at[st])
+        if w == 0:
+          plgpu.barrier_wait(consumed.at[st])
+          issue(i + NBUF, st)
 
-    phases.start("o_store")
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    o_s[...] = (o + o2).astype(o_s.dtype)
-    plgpu.commit_smem()
-    rows = jnp.minimum(seq_len - i * C, C)
-    start = 0
-    size = C
-    while size:
-      @pl.when((rows & size) != 0)
-      def _(start=start, size=size):
-        plgpu.copy_smem_to_gmem(o_s.at[pl.ds(start, size)],
-                                o_ref.at[pl.ds(t0 + i * C + start, size), h, pl.ds(v0, BV)])
-      start = start + (rows & size)
-      size //= 2
+      phases.start("o_store")
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      o_w = o_s.at[w]
+      o_w[...] = (o + o2).astype(o_s.dtype)
+      plgpu.commit_smem()
+      rows = jnp.minimum(seq_len - i * C, C)
+      start = 0
+      size = C
+      while size:
+        @pl.when((rows & size) != 0)
+        def _(start=start, size=size):
+          plgpu.copy_smem_to_gmem(o_w.at[pl.ds(start, size)],
+                                  o_ref.at[pl.ds(t0 + i * C + start, size), h, pl.ds(v0, BV)])
+        start = start + (rows & size)
+        size //= 2
 
-    gc = cs + i
-    phases.start("checkpoints")
+      gc = cs + i
+      phases.start("checkpoints")
 
-    def checkpoint(m, carry):
-      dst = ck_slot_ref[m]
-      pl.when(dst >= 0)(lambda: write_state(s, dst))
-      return carry
+      def checkpoint(m, carry):
+        dst = ck_slot_ref[m]
+        pl.when(dst >= 0)(lambda: write_state(s, dst))
+        return carry
 
-    lax.fori_loop(ck_lo_ref[gc], ck_hi_ref[gc], checkpoint, 0)
+      lax.fori_loop(ck_lo_ref[gc], ck_hi_ref[gc], checkpoint, 0)
+      phases.end()
+      return s
+
     phases.end()
-    return s
+    s = lax.fori_loop(0, nch, step, s0)
+    phases.start("final")
+    # A sequence without chunks ends in its initial state: a slot read as its own initial state is left as it
+    # is (bitwise), any other gets the zero state. Writing it here, from the program that owns the sequence,
+    # costs one predicate on the hot path and no extra pass over the pool.
+    pl.when((slot >= 0) & ((nch > 0) | jnp.logical_not(has_init)))(lambda: write_state(s, slot))
+    plgpu.wait_smem_to_gmem(0)
+    phases.end()
 
-  phases.end()
-  s = lax.fori_loop(0, nch, step, s0)
-  phases.start("final")
-  # A sequence without chunks ends in its initial state: a slot read as its own initial state is left as it
-  # is (bitwise), any other gets the zero state. Writing it here, from the program that owns the sequence,
-  # costs one predicate on the hot path and no extra pass over the pool.
-  pl.when((slot >= 0) & ((nch > 0) | jnp.logical_not(has_init)))(lambda: write_state(s, slot))
-  plgpu.wait_smem_to_gmem(0)
-  phases.end()
+  wg = lax.axis_index("wg")
+  for w in range(wgs):
+    pl.when(wg == w)(functools.partial(warpgroup, w))
+
+
+def choose_v_blocks(num_seqs: int, num_heads: int, vdim: int) -> int:
+  """The default ``v_blocks``: 2 where one-block programs (``V / BV`` per head and sequence) are more than one
+  wave of SMs, 1 otherwise. A two-block program takes less than twice one block's time (the shared inputs
+  load once), so halving the programs wins once they no longer all fit one wave, and loses while halving
+  them idles SMs (few heads, or long single sequences at few heads)."""
+  blocks = vdim // BV
+  return 2 if blocks % 2 == 0 and blocks * num_heads * num_seqs > util.NUM_SMS else 1
 
 
 def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk: jax.Array,
                chunk_decay: jax.Array, pool_ref, seq_meta: tuple[jax.Array, ...], ck_meta: tuple[jax.Array, ...],
-               *, T: int, out_dtype) -> jax.Array:
+               *, T: int, out_dtype, v_blocks: int) -> jax.Array:
   """Stage 2. Writes final states / checkpoints into ``pool_ref`` (a ``jax.new_ref`` of the pool) in place.
 
   Args:
@@ -147,7 +179,8 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
       has-initial-state (0/1).
     ck_meta: checkpoints sorted by chunk slot: per chunk slot the range ``[lo, hi)`` into the sorted list
       (``[S]`` int32 each) and the sorted destination slots (``[M']`` int32, -1 = skip).
-    T: total tokens. out_dtype: dtype of ``o``.
+    T: total tokens. out_dtype: dtype of ``o``. v_blocks: V-blocks of ``BV`` per program (a warpgroup each,
+      sharing the V-independent chunk inputs), 1 or 2 (``KdaTuning.prefill_v_blocks``); divides ``V / BV``.
 
   Returns:
     ``o [T, H, V]`` in ``out_dtype``.
@@ -155,15 +188,21 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
   _, H, _, K = qg.shape
   V = u.shape[-1]
   N = seq_meta[0].shape[0]
+  wgs = v_blocks
+  if wgs not in (1, 2) or (V // BV) % wgs:
+    raise ValueError(f"v_blocks must be 1 or 2 and divide V / {BV} = {V // BV}, got {v_blocks}")
+  # Per warpgroup one union: the bf16 state and E stashes of a chunk, or the pool-dtype staging of a state.
+  wg_buf = lambda: plgpu.RefUnion((tiled((BV, K)), tiled((C, BV))), plgpu.SMEM((BV, K), pool_ref.dtype))
   scratch = [
       tiled((NBUF, C, K)), tiled((NBUF, C, K)), tiled((NBUF, C, K)),
-      plgpu.SMEM((NBUF, C, BV), bf16), tiled((NBUF, C, C)), plgpu.SMEM((NBUF, K), f32),
-      tiled((BV, K)), tiled((C, BV)), plgpu.SMEM((C, BV), out_dtype), plgpu.SMEM((BV, K), pool_ref.dtype),
-      plgpu.Barrier(num_arrivals=6, num_barriers=NBUF), plgpu.Barrier(num_arrivals=1, num_barriers=1),
+      plgpu.SMEM((NBUF, wgs, C, BV), bf16), tiled((NBUF, C, C)), plgpu.SMEM((NBUF, K), f32),
+      plgpu.SMEM((wgs, C, BV), out_dtype), *(wg_buf() for _ in range(wgs)),
+      plgpu.Barrier(num_arrivals=5 + wgs, num_barriers=NBUF), plgpu.Barrier(num_arrivals=wgs, num_barriers=NBUF),
+      plgpu.Barrier(num_arrivals=1, num_barriers=wgs),
   ]
   return plgpu.kernel(
-      functools.partial(_state_body, K=K),
+      functools.partial(_state_body, K=K, wgs=wgs),
       out_type=jax.ShapeDtypeStruct((T, H, V), out_dtype),
-      grid=(V // BV, H, N), grid_names=("v", "h", "n"), scratch_types=scratch,
-      compiler_params=util.compiler_params(),
+      grid=(V // (BV * wgs), H, N), grid_names=("v", "h", "n"), num_threads=wgs, thread_name="wg",
+      scratch_types=scratch, compiler_params=util.compiler_params(),
   )(*seq_meta, *ck_meta, qg, kg, neg_w, u, aqk, chunk_decay, pool_ref)
