@@ -354,8 +354,11 @@ def main():
                   f"rel_rmse_vs_{peer}": float(np.sqrt(np.mean((o - o_peer) ** 2)) / np.sqrt(np.mean(o_peer ** 2)))})
     if name in (SHAPES[0][0], SHAPES[2][0]) and not args.quick:
       # Every variant timed in the same rounds as the base: the overheads are medians of paired ratios.
-      variants = dict(base=dict(), bf16_state=dict(state_dtype=jnp.bfloat16), ckpt1=dict(per_seq_ckpt=1),
-                      ckpt4=dict(per_seq_ckpt=4))
+      # base_again is the base once more with its own jitted executable and buffers: the control for what a
+      # runner's own allocation does to its speed, which a variant's overhead must exceed to mean anything
+      # (variants have measured steadily faster than the base while adding work: RESULTS.md, session 14).
+      variants = dict(base=dict(), base_again=dict(), bf16_state=dict(state_dtype=jnp.bfloat16),
+                      ckpt1=dict(per_seq_ckpt=1), ckpt4=dict(per_seq_ckpt=4))
       paired = paired_overheads({v: ours_runner(x, lens, H, **kw)[0] for v, kw in variants.items()})
       for v, m in paired.items():
         row.update({f"{v}_{key}": val for key, val in m.items()})
