@@ -9,6 +9,7 @@ Usage (on the GPU machine, FLA installed): ``PYTHONPATH=. python3 benchmarks/kda
 """
 
 import argparse
+import contextlib
 import faulthandler
 import functools
 import json
@@ -226,9 +227,29 @@ def flashkda(x, iters: int = 20):
 PEERS = (("fla", fla), ("flashkda", flashkda))
 
 
+@contextlib.contextmanager
+def padded_smem(extra_bytes: int):
+  """Every Mosaic GPU kernel traced inside asks for ``extra_bytes`` more SMEM that it never touches: timing the
+  prep with fewer programs per SM tells whether its speed follows the number of programs an SM interleaves
+  (latency bound: more of them would help) or not (bound by issue or a unit: fewer instructions would)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  real = plgpu.kernel
+
+  def kernel(body, *, scratch_types, **kw):
+    pad = plgpu.SMEM((extra_bytes // 4,), jnp.float32)
+    return real(lambda *refs: body(*refs[:-1]), scratch_types=[*scratch_types, pad], **kw)
+
+  plgpu.kernel = kernel
+  try:
+    yield
+  finally:
+    plgpu.kernel = real
+
+
 def profile(lens, H: int, iters: int = 10) -> dict:
-  """Times stage 1 (prep) and stage 2 (state pass, the default ``prefill_v_blocks``) of our kernel separately
-  (ms), stage 2 again with one checkpoint per sequence (``state_ckpt1_ms``: what the checkpoints cost inside the
+  """Times stage 1 (prep; also with one program per SM: ``padded_smem``) and stage 2 (state pass, the default
+  ``prefill_v_blocks``) of our kernel separately (ms), stage 2 again with one checkpoint per sequence (``state_ckpt1_ms``: what the checkpoints cost inside the
   kernel, against the whole call's overhead from ``paired_overheads``) and with each ``v_blocks``."""
   from pallas_kernels.kda import prefill_kernel, prefill_prep, prefill_state
 
@@ -262,10 +283,16 @@ def profile(lens, H: int, iters: int = 10) -> dict:
 
     return lambda n: jax.block_until_ready([state(work, pool) for _ in range(n)])
 
-  def run_prep(n):
-    jax.block_until_ready([prep(*pargs) for _ in range(n)])
+  def run_prep(n, f=prep):
+    jax.block_until_ready([f(*pargs) for _ in range(n)])
 
-  return dict(T=T, H=H, N=N, prep_ms=bench(run_prep, iters), v_blocks=default_v_blocks,
+  # The prep's SMEM holds two programs per SM; 40 KB more each leaves room for one.
+  prep_one = jax.jit(functools.partial(prefill_prep.prep, scale=K ** -0.5, lower_bound=LB, smem_operands=False))
+  with padded_smem(40 << 10):
+    run_prep(1, prep_one)
+
+  return dict(T=T, H=H, N=N, prep_ms=bench(run_prep, iters),
+              prep_one_per_sm_ms=bench(functools.partial(run_prep, f=prep_one), iters), v_blocks=default_v_blocks,
               state_ms=bench(state_runner(0), iters), state_ckpt1_ms=bench(state_runner(1), iters),
               **{f"state_v{b}_ms": bench(state_runner(0, b), iters) for b in (1, 2)})
 

@@ -1,6 +1,6 @@
 """CPU smoke runs of benchmarks/mla_prefill.py, benchmarks/long_prompt.py and benchmarks/prefix_cache.py at tiny
-sizes (f32, impl xla), kernel_profile.py's trace summary on a made-up trace, and kda_prefill.py's paired
-overheads on scripted times."""
+sizes (f32, impl xla), kernel_profile.py's trace summary on a made-up trace, kda_prefill.py's paired
+overheads on scripted times and its SMEM padding in interpret mode."""
 
 import argparse
 import contextlib
@@ -168,3 +168,30 @@ def test_kda_prefill_paired_overheads_cancel_drift(monkeypatch):
   np.testing.assert_allclose(out["w"]["overhead"], 0.0, atol=1e-12)
   np.testing.assert_allclose([out["w"]["ratio_lo"], out["w"]["ratio_hi"]], [1.0, 1.02], rtol=1e-9)
   np.testing.assert_allclose(out["base"]["ms"], 1.2, rtol=1e-9)
+
+
+def test_kda_prefill_padded_smem_keeps_results():
+  """``padded_smem`` (the prep's one-program-per-SM timing) adds SMEM the kernel never touches: the prep's
+  outputs are bitwise those without it (interpret mode, one chunk of one head), and plgpu.kernel is restored."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  from pallas_kernels.kda import prefill_prep
+  from pallas_kernels.mosaic_interpret import interpret_mode
+
+  rng = np.random.default_rng(0)
+  T, H, K = 64, 1, 64
+  raw = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  args = (raw(T, H, K), raw(T, H, K), raw(T, H, K), raw(T, H, K),
+          jnp.asarray(rng.standard_normal((H, T + 64)), jnp.float32), jnp.zeros((H,), jnp.float32),
+          jnp.asarray(rng.standard_normal((H, K)), jnp.float32), jnp.zeros((1,), jnp.int32),
+          jnp.full((1,), 50, jnp.int32))
+  prep = lambda: prefill_prep.prep(*args, scale=K ** -0.5, lower_bound=-5.0, smem_operands=True)
+  real = plgpu.kernel
+  with interpret_mode():
+    want = prep()
+    with kda_prefill.padded_smem(4096):
+      assert plgpu.kernel is not real
+      got = prep()
+  assert plgpu.kernel is real
+  for a, b in zip(want, got, strict=True):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
