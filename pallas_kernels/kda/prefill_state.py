@@ -1,9 +1,9 @@
 """KDA prefill, stage 2 (sequential over the chunks of a sequence): state passing, output, pool I/O.
 
-One program per (pair of V-blocks of 64, head, sequence), one warpgroup per V-block: each carries its V-block of
-the f32 state through the sequence's chunks from the stage-1 workspaces, writes ``o`` and reads / writes the pool
-slots (initial state, checkpoints, final state) by TMA; the chunk inputs that do not depend on V are loaded once
-for both. See README.md, "Prefill stage 2".
+One program per (``v_blocks`` V-blocks of 64, head, sequence; one or two), one warpgroup per V-block: each
+carries its V-block of the f32 state through the sequence's chunks from the stage-1 workspaces, writes ``o`` and
+reads / writes the pool slots (initial state, checkpoints, final state) by TMA; the chunk inputs that do not
+depend on V are loaded once per program. See README.md, "Prefill stage 2".
 """
 
 import functools
