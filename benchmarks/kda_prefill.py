@@ -299,25 +299,45 @@ def profile(lens, H: int, iters: int = 10) -> dict:
               **{f"state_v{b}_ms": bench(state_runner(0, b), iters) for b in (1, 2)})
 
 
-def kernel_table(lens, H: int, calls: int = 5) -> dict:
-  """Every GPU kernel of one whole ``kda_prefill`` call (CUPTI), in launch order, as ``(name, mean ms over
-  calls)``, for the base and the one-checkpoint variant: where the checkpoints' end-to-end overhead goes.
-  Both Pallas kernels are named ``anonymous_mosaic_gpu_kernel``; the first is the prep, the second the state
-  pass."""
+def call_kernels(run, calls: int = 5) -> list[tuple[str, float]]:
+  """Every GPU kernel of one call of ``run`` (CUPTI), in launch order, as ``(name, mean ms over calls)``. Both
+  Pallas kernels are named ``anonymous_mosaic_gpu_kernel``; the first is the prep, the second the state pass."""
   from benchmarks._harness import cupti_kernels
 
+  run(2)
+  with cupti_kernels() as records:
+    run(calls)
+  per_call = len(records) // calls
+  assert per_call * calls == len(records), (len(records), calls)
+  return [(records[i][0], float(np.mean([records[c * per_call + i][1] for c in range(calls)])))
+          for i in range(per_call)]
+
+
+def kernel_table(lens, H: int) -> dict:
+  """``call_kernels`` of a whole ``kda_prefill`` call for the base and the one-checkpoint variant: where the
+  checkpoints' end-to-end overhead goes."""
   x = make_inputs(lens, H)
-  tables = {}
-  for variant, kw in (("base", {}), ("ckpt1", dict(per_seq_ckpt=1))):
-    run, _ = ours_runner(x, lens, H, **kw)
-    run(2)
-    with cupti_kernels() as records:
-      run(calls)
-    per_call = len(records) // calls
-    assert per_call * calls == len(records), (len(records), calls)
-    tables[variant] = [(records[i][0], float(np.mean([records[c * per_call + i][1] for c in range(calls)])))
-                       for i in range(per_call)]
-  return tables
+  return {variant: call_kernels(ours_runner(x, lens, H, **kw)[0])
+          for variant, kw in (("base", {}), ("ckpt1", dict(per_seq_ckpt=1)))}
+
+
+def runner_times(runs: list, rounds: int = 3, iters: int = 20) -> np.ndarray:
+  """``[rounds, len(runs)]`` ms per call: each runner timed once per round (``iters`` calls after a warm-up)."""
+  return np.asarray([[bench(run, iters, reps=1) for run in runs] for _ in range(rounds)])
+
+
+def runner_modes(lens, H: int, runners: int = 6) -> dict:
+  """Whether a runner's speed is its own (session 15 saw the same inputs run 15% slower through a second jitted
+  runner of the base): ``runners`` runners of the base, each with its own executable and buffers, timed in
+  rounds, and the kernels of the fastest and the slowest (by median), to place a slow mode in one kernel."""
+  x = make_inputs(lens, H)
+  runs = [ours_runner(x, lens, H)[0] for _ in range(runners)]
+  times = runner_times(runs)
+  med = np.median(times, axis=0)
+  out = dict(ms=np.round(times, 4).tolist())
+  for label, i in (("fastest", int(np.argmin(med))), ("slowest", int(np.argmax(med)))):
+    out[label] = [(name[:40], round(ms, 4)) for name, ms in call_kernels(runs[i])]
+  return out
 
 
 def check_vs_xla(lens=(0, 300, 700), H: int = 4) -> float:
@@ -344,12 +364,19 @@ def main():
   parser.add_argument("--profile", action="store_true",
                       help="only time the two stages separately (stage 2 also with checkpoints) and list every "
                       "kernel of a whole call with and without a checkpoint")
+  parser.add_argument("--runners", type=int, default=0,
+                      help="only time this many runners of the base (T=8192 H=96) and list the kernels of the "
+                      "fastest and slowest: does a runner have a speed of its own, and in which kernel")
   parser.add_argument("--quick", action="store_true", help="no bf16-state and checkpoint rows (make gpu-check)")
   parser.add_argument("--shapes", type=int, nargs="+", default=list(range(len(SHAPES))),
                       help="indices into SHAPES, in the order to run them")
   args = parser.parse_args()
   faulthandler.dump_traceback_later(args.watchdog, exit=True)
   print(f"devices: {jax.devices()}  commit: {args.commit}", flush=True)
+  if args.runners:
+    name, lens, H = SHAPES[0]
+    print(name, json.dumps(runner_modes(lens, H, args.runners)), flush=True)
+    return 0
   if args.profile:
     for name, lens, H in (SHAPES[0], SHAPES[3]):
       print(name, json.dumps(profile(lens, H)), flush=True)
