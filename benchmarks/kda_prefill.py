@@ -321,22 +321,16 @@ def kernel_table(lens, H: int) -> dict:
           for variant, kw in (("base", {}), ("ckpt1", dict(per_seq_ckpt=1)))}
 
 
-def runner_times(runs: list, rounds: int = 3, iters: int = 20) -> np.ndarray:
-  """``[rounds, len(runs)]`` ms per call: each runner timed once per round (``iters`` calls after a warm-up)."""
-  return np.asarray([[bench(run, iters, reps=1) for run in runs] for _ in range(rounds)])
-
-
 def runner_modes(lens, H: int, runners: int = 6) -> dict:
   """Whether a runner's speed is its own (session 15 saw the same inputs run 15% slower through a second jitted
-  runner of the base): ``runners`` runners of the base, each with its own executable and buffers, timed in
-  rounds, and the kernels of the fastest and the slowest (by median), to place a slow mode in one kernel."""
+  runner of the base): ``paired_overheads`` of ``runners`` runners of the base, each with its own executable and
+  buffers (ratios against the first), and the kernels of the fastest and the slowest, to place a slow mode."""
   x = make_inputs(lens, H)
-  runs = [ours_runner(x, lens, H)[0] for _ in range(runners)]
-  times = runner_times(runs)
-  med = np.median(times, axis=0)
-  out = dict(ms=np.round(times, 4).tolist())
-  for label, i in (("fastest", int(np.argmin(med))), ("slowest", int(np.argmax(med)))):
-    out[label] = [(name[:40], round(ms, 4)) for name, ms in call_kernels(runs[i])]
+  runs = {f"runner{i}": ours_runner(x, lens, H)[0] for i in range(runners)}
+  out = paired_overheads(runs)
+  by_ms = sorted(runs, key=lambda n: out[n]["ms"])
+  for label, n in (("fastest", by_ms[0]), ("slowest", by_ms[-1])):
+    out[label] = [n] + [(name[:40], round(ms, 4)) for name, ms in call_kernels(runs[n])]
   return out
 
 

@@ -170,21 +170,6 @@ def test_kda_prefill_paired_overheads_cancel_drift(monkeypatch):
   np.testing.assert_allclose(out["base"]["ms"], 1.2, rtol=1e-9)
 
 
-def test_kda_prefill_runner_times_rounds(monkeypatch):
-  """``runner_times`` times every runner once per round, in order, as ``[rounds, runners]`` ms."""
-  calls = []
-
-  def fake_bench(run, iters, reps=5):
-    assert (iters, reps) == (20, 1)
-    calls.append(run)
-    return float(len(calls))
-
-  monkeypatch.setattr(kda_prefill, "bench", fake_bench)
-  out = kda_prefill.runner_times(["a", "b"], rounds=3)
-  assert calls == ["a", "b"] * 3
-  np.testing.assert_array_equal(out, [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
-
-
 def test_kda_prefill_padded_smem_keeps_results():
   """``padded_smem`` (the prep's one-program-per-SM timing) adds SMEM the kernel never touches: the prep's
   outputs are bitwise those without it (interpret mode, one chunk of one head), and plgpu.kernel is restored."""
