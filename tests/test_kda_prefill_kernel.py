@@ -20,6 +20,7 @@ from kda_support import PREFILL_TOL, check_prefill, prefill_to_jax, run_prefill
 
 SMALL = dict(lens=(70, 0, 30), H=1, K=64, V=64)
 SMALL_PAIR = dict(lens=(70, 0, 30), H=1, K=64, V=128)  # two V-blocks: one program or two
+SMALL_WIDE = dict(lens=(70, 0, 30), H=1, K=128, V=128)  # the prep's two-warpgroup split of K and V
 LARGE = dict(lens=(0, 1, 63, 64, 65, 1300), H=4, K=128, V=128)
 POISON = 1e30
 
@@ -76,6 +77,7 @@ def _oracle(inputs, pool, arrays, *, lower_bound):
 
 # (sizes, value blocks per state-pass program): the heuristic, which takes 1 at these batch sizes, and 2.
 CASES = [pytest.param(SMALL, None, id="small"), pytest.param(SMALL_PAIR, 2, id="small-pair"),
+         pytest.param(SMALL_WIDE, None, id="small-wide"),
          pytest.param(LARGE, None, id="large", marks=pytest.mark.gpu),
          pytest.param(LARGE, 2, id="large-pair", marks=pytest.mark.gpu)]
 GATES = [pytest.param(-5.0, jnp.float32, False, id="lb-f32state"),
