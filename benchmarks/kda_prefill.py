@@ -247,26 +247,45 @@ def padded_smem(extra_bytes: int):
     plgpu.kernel = real
 
 
-def profile(lens, H: int, iters: int = 10) -> dict:
-  """Times stage 1 (prep, also with one program per SM: ``padded_smem``) and stage 2 (state pass) of our kernel
-  separately (ms): stage 2 with each ``v_blocks`` (``v_blocks`` names the default) and, at the default, with one
-  checkpoint per sequence (``state_ckpt1_ms``: what the checkpoints cost inside the kernel, against the whole
-  call's overhead from ``paired_overheads``)."""
-  from pallas_kernels.kda import prefill_kernel, prefill_prep, prefill_state
+def prep_executables(count: int) -> list:
+  """``count`` jitted preps (lower-bound gate, K = 128), each a function object of its own, so each compiles to,
+  and loads, an executable of its own."""
+  from pallas_kernels.kda import prefill_prep
+
+  return [jax.jit(functools.partial(prefill_prep.prep, scale=K ** -0.5, lower_bound=LB, smem_operands=False))
+          for _ in range(count)]
+
+
+def prep_setup(lens, H: int):
+  """The prep alone: ``(x, jitted prep, its arguments, chunk_start)`` at these lengths and heads."""
+  from pallas_kernels.kda import prefill_kernel
 
   x = make_inputs(lens, H)
   T, N = int(sum(lens)), len(lens)
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)
   q, k, v, g = (bf(x[n]) for n in ("q", "k", "v", "g_raw"))
   beta_t = jnp.pad(jnp.asarray(x["beta_raw"]).T, ((0, 0), (0, C)))
-  cu = jnp.asarray(x["cu"])
   num_slots = -(-T // C) + N
-  chunk_start, nch, seq_lens, tok, rows = prefill_kernel._chunk_table(cu, num_slots)
-  # Two jitted copies of the prep: the second is traced with padded SMEM (below).
-  prep, prep_one = (jax.jit(functools.partial(prefill_prep.prep, scale=K ** -0.5, lower_bound=LB,
-                                              smem_operands=False)) for _ in range(2))
+  chunk_start, _, _, tok, rows = prefill_kernel._chunk_table(jnp.asarray(x["cu"]), num_slots)
+  prep, = prep_executables(1)
   pargs = (q, k, v, g, beta_t, jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]), tok, rows)
+  return x, prep, pargs, chunk_start
+
+
+def profile(lens, H: int, iters: int = 10) -> dict:
+  """Times stage 1 (prep, also with one program per SM: ``padded_smem``) and stage 2 (state pass) of our kernel
+  separately (ms): stage 2 with each ``v_blocks`` (``v_blocks`` names the default) and, at the default, with one
+  checkpoint per sequence (``state_ckpt1_ms``: what the checkpoints cost inside the kernel, against the whole
+  call's overhead from ``paired_overheads``)."""
+  from pallas_kernels.kda import prefill_kernel, prefill_state
+
+  x, prep, pargs, chunk_start = prep_setup(lens, H)
+  T, N = int(sum(lens)), len(lens)
+  num_slots = -(-T // C) + N
+  cu = jnp.asarray(x["cu"])
+  prep_one, = prep_executables(1)  # a second jitted prep, traced with padded SMEM (below)
   work = prep(*pargs)
+  nch, seq_lens = prefill_kernel._chunk_table(cu, num_slots)[1:3]
   seq_meta = (chunk_start, nch, cu[:-1], seq_lens, jnp.arange(N, dtype=jnp.int32), jnp.ones(N, jnp.int32))
 
   default_v_blocks = kda.default_tuning(num_seqs=N, num_heads=H, key_dim=K, value_dim=V,
@@ -334,6 +353,42 @@ def runner_modes(lens, H: int, runners: int = 6) -> dict:
   return out
 
 
+def input_placement(lens, H: int, copies: int = 6) -> dict:
+  """The prep alone, one executable, on ``copies`` separately allocated copies of the same inputs, timed in
+  ``paired_overheads`` rounds (ratios against the first copy): does where the inputs lie set the prep's speed
+  (``--runners`` placed a runner's slow mode in the prep)? Each copy also reports its inputs' addresses modulo
+  2 MiB; ``as_temporaries_prep_kernel_ms`` then times the prep kernel in ``copies`` executables that keep its
+  workspaces as temporaries, and ``own_executable_prep_kernel_ms`` in ``copies`` executables of the prep alone
+  (outputs allocated apart, as for the copies)."""
+  _, prep, pargs, _ = prep_setup(lens, H)
+  runs, where = {}, {}
+  for i in range(copies):
+    args = tuple(jnp.array(a, copy=True) for a in pargs)
+    runs[f"copy{i}"] = lambda n, args=args: jax.block_until_ready([prep(*args) for _ in range(n)])
+    where[f"copy{i}"] = {name: a.unsafe_buffer_pointer() % (2 << 20) for name, a in zip("qkvg", args)}
+  out = paired_overheads(runs)
+  for name in runs:
+    out[name]["addr_mod_2mib"] = where[name]
+  # The same prep with its workspaces as temporaries of an executable (reduced to sums), as inside a whole
+  # call, one executable per copy: the prep kernel's own time (CUPTI), where standalone outputs are each
+  # allocated apart and whole-call runners differ.
+  sums = lambda *a: [jnp.sum(o.astype(jnp.float32)) for o in prep(*a)]
+  kernel_ms = []
+  for _ in range(copies):
+    f = jax.jit(functools.partial(sums))  # a function object of its own: its own executable
+    table = call_kernels(lambda n, f=f: jax.block_until_ready([f(*pargs) for _ in range(n)]))
+    kernel_ms.append([round(ms, 4) for name, ms in table if "mosaic" in name])
+  out["as_temporaries_prep_kernel_ms"] = kernel_ms
+  # Standalone outputs again, but one executable per copy (each loads its own compiled kernel): separates the
+  # executable from where its workspaces lie.
+  own_exec = []
+  for f in prep_executables(copies):
+    table = call_kernels(lambda n, f=f: jax.block_until_ready([f(*pargs) for _ in range(n)]))
+    own_exec.append([round(ms, 4) for name, ms in table if "mosaic" in name])
+  out["own_executable_prep_kernel_ms"] = own_exec
+  return out
+
+
 def check_vs_xla(lens=(0, 300, 700), H: int = 4) -> float:
   x = make_inputs(lens, H)
   N = len(lens)
@@ -361,6 +416,12 @@ def main():
   parser.add_argument("--runners", type=int, default=0,
                       help="only time this many runners of the base (T=8192 H=96) and list the kernels of the "
                       "fastest and slowest: does a runner have a speed of its own, and in which kernel")
+  parser.add_argument("--placement", type=int, default=0,
+                      help="only time the prep (T=8192 H=96) on this many separately allocated copies of its "
+                      "inputs: does a buffer's placement set its speed")
+  parser.add_argument("--executables", type=int, default=0,
+                      help="only compile this many executables of the prep (T=8192 H=96) and call each once: "
+                      "a target for ncu, to compare the launches of a fast and a slow executable")
   parser.add_argument("--quick", action="store_true", help="no bf16-state and checkpoint rows (make gpu-check)")
   parser.add_argument("--shapes", type=int, nargs="+", default=list(range(len(SHAPES))),
                       help="indices into SHAPES, in the order to run them")
@@ -370,6 +431,16 @@ def main():
   if args.runners:
     name, lens, H = SHAPES[0]
     print(name, json.dumps(runner_modes(lens, H, args.runners)), flush=True)
+    return 0
+  if args.executables:
+    _, lens, H = SHAPES[0]
+    pargs = prep_setup(lens, H)[2]
+    for f in prep_executables(args.executables):
+      jax.block_until_ready(f(*pargs))
+    return 0
+  if args.placement:
+    name, lens, H = SHAPES[0]
+    print(name, json.dumps(input_placement(lens, H, args.placement)), flush=True)
     return 0
   if args.profile:
     for name, lens, H in (SHAPES[0], SHAPES[3]):
