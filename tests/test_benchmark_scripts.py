@@ -1,6 +1,6 @@
 """CPU smoke runs of benchmarks/mla_prefill.py, benchmarks/long_prompt.py and benchmarks/prefix_cache.py at tiny
 sizes (f32, impl xla), kernel_profile.py's trace summary on a made-up trace, kda_prefill.py's paired
-overheads on scripted times and its SMEM padding in interpret mode."""
+overheads and kernel overheads on scripted times and its SMEM padding in interpret mode."""
 
 import argparse
 import contextlib
@@ -168,6 +168,21 @@ def test_kda_prefill_paired_overheads_cancel_drift(monkeypatch):
   np.testing.assert_allclose(out["w"]["overhead"], 0.0, atol=1e-12)
   np.testing.assert_allclose([out["w"]["ratio_lo"], out["w"]["ratio_hi"]], [1.0, 1.02], rtol=1e-9)
   np.testing.assert_allclose(out["base"]["ms"], 1.2, rtol=1e-9)
+
+
+def test_kda_prefill_kernel_overheads_leave_out_the_prep_mode():
+  """A variant's kernel overhead counts its non-prep kernels only, over the base's rest plus the fastest prep: a
+  slow prep (the executable's mode) adds nothing, an extra stage-2 cost does."""
+  prep, state = "anonymous_mosaic_gpu_kernel", "anonymous_mosaic_gpu_kernel"
+  tables = {"base": [("convert", 0.01), (prep, 1.40), (state, 0.35)],
+            "slow_prep": [("convert", 0.01), (prep, 1.90), (state, 0.35)],
+            "ckpt": [("convert", 0.01), (prep, 1.45), (state, 0.35), ("copy", 0.036)]}
+  out = kda_prefill.kernel_overheads(tables)
+  assert out["base_prep_ms"] == 1.40 and out["slow_prep_prep_ms"] == 1.90
+  assert out["base_rest_ms"] == pytest.approx(0.36)
+  assert out["slow_prep_kernel_overhead"] == pytest.approx(0.0)
+  assert out["ckpt_kernel_overhead"] == pytest.approx(0.036 / 1.76)
+  assert "base_kernel_overhead" not in out
 
 
 def test_kda_prefill_padded_smem_keeps_results():
