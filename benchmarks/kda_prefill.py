@@ -392,23 +392,19 @@ def input_placement(lens, H: int, copies: int = 6) -> dict:
   out = paired_overheads(runs)
   for name in runs:
     out[name]["addr_mod_2mib"] = where[name]
+
+  def prep_kernel_ms(fns) -> list[float]:
+    """The prep kernel's time (CUPTI) in each of ``fns``, called on the original arguments."""
+    return [round(next(ms for name, ms in call_kernels(lambda n, f=f: jax.block_until_ready(
+        [f(*pargs) for _ in range(n)])) if "mosaic" in name), 4) for f in fns]
+
   # The same prep with its workspaces as temporaries of an executable (reduced to sums), as inside a whole
-  # call, one executable per copy: the prep kernel's own time (CUPTI), where standalone outputs are each
-  # allocated apart and whole-call runners differ.
-  sums = lambda *a: [jnp.sum(o.astype(jnp.float32)) for o in prep(*a)]
-  kernel_ms = []
-  for _ in range(copies):
-    f = jax.jit(functools.partial(sums))  # a function object of its own: its own executable
-    table = call_kernels(lambda n, f=f: jax.block_until_ready([f(*pargs) for _ in range(n)]))
-    kernel_ms.append([round(ms, 4) for name, ms in table if "mosaic" in name])
-  out["as_temporaries_prep_kernel_ms"] = kernel_ms
-  # Standalone outputs again, but one executable per copy (each loads its own compiled kernel): separates the
+  # call, one executable per copy (a function object of its own each), where whole-call runners differ; then
+  # standalone outputs again, allocated apart as for the copies, but one executable per copy: separates the
   # executable from where its workspaces lie.
-  own_exec = []
-  for f in prep_executables(copies):
-    table = call_kernels(lambda n, f=f: jax.block_until_ready([f(*pargs) for _ in range(n)]))
-    own_exec.append([round(ms, 4) for name, ms in table if "mosaic" in name])
-  out["own_executable_prep_kernel_ms"] = own_exec
+  sums = lambda *a: [jnp.sum(o.astype(jnp.float32)) for o in prep(*a)]
+  out["as_temporaries_prep_kernel_ms"] = prep_kernel_ms([jax.jit(functools.partial(sums)) for _ in range(copies)])
+  out["own_executable_prep_kernel_ms"] = prep_kernel_ms(prep_executables(copies))
   return out
 
 
