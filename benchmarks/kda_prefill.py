@@ -257,7 +257,8 @@ def prep_executables(count: int) -> list:
 
 
 def prep_setup(lens, H: int):
-  """The prep alone: ``(x, jitted prep, its arguments, chunk_start)`` at these lengths and heads."""
+  """The prep alone: ``(x, jitted prep, its arguments, chunk table)`` at these lengths and heads, the table being
+  ``prefill_kernel._chunk_table``'s ``(chunk_start, nch, lens, tok, rows)``."""
   from pallas_kernels.kda import prefill_kernel
 
   x = make_inputs(lens, H)
@@ -266,10 +267,10 @@ def prep_setup(lens, H: int):
   q, k, v, g = (bf(x[n]) for n in ("q", "k", "v", "g_raw"))
   beta_t = jnp.pad(jnp.asarray(x["beta_raw"]).T, ((0, 0), (0, C)))
   num_slots = -(-T // C) + N
-  chunk_start, _, _, tok, rows = prefill_kernel._chunk_table(jnp.asarray(x["cu"]), num_slots)
+  table = prefill_kernel._chunk_table(jnp.asarray(x["cu"]), num_slots)
   prep, = prep_executables(1)
-  pargs = (q, k, v, g, beta_t, jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]), tok, rows)
-  return x, prep, pargs, chunk_start
+  pargs = (q, k, v, g, beta_t, jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]), *table[3:])
+  return x, prep, pargs, table
 
 
 def profile(lens, H: int, iters: int = 10) -> dict:
@@ -279,13 +280,12 @@ def profile(lens, H: int, iters: int = 10) -> dict:
   call's overhead from ``paired_overheads``)."""
   from pallas_kernels.kda import prefill_kernel, prefill_state
 
-  x, prep, pargs, chunk_start = prep_setup(lens, H)
+  x, prep, pargs, (chunk_start, nch, seq_lens, _, _) = prep_setup(lens, H)
   T, N = int(sum(lens)), len(lens)
   num_slots = -(-T // C) + N
   cu = jnp.asarray(x["cu"])
   prep_one, = prep_executables(1)  # a second jitted prep, traced with padded SMEM (below)
   work = prep(*pargs)
-  nch, seq_lens = prefill_kernel._chunk_table(cu, num_slots)[1:3]
   seq_meta = (chunk_start, nch, cu[:-1], seq_lens, jnp.arange(N, dtype=jnp.int32), jnp.ones(N, jnp.int32))
 
   default_v_blocks = kda.default_tuning(num_seqs=N, num_heads=H, key_dim=K, value_dim=V,
