@@ -20,7 +20,7 @@ from kda_support import PREFILL_TOL, check_prefill, prefill_to_jax, run_prefill
 
 SMALL = dict(lens=(70, 0, 30), H=1, K=64, V=64)
 SMALL_PAIR = dict(lens=(70, 0, 30), H=1, K=64, V=128)  # two V-blocks: one program or two
-SMALL_WIDE = dict(lens=(70, 0, 30), H=1, K=128, V=128)  # the prep's two-warpgroup split of K and V
+SMALL_WIDE = dict(lens=(70, 0, 30), H=1, K=128, V=128)  # the model's head size, also in interpret mode
 LARGE = dict(lens=(0, 1, 63, 64, 65, 1300), H=4, K=128, V=128)
 POISON = 1e30
 
