@@ -21,6 +21,10 @@ from pallas_kernels.kda.reference import SUB_BLOCK as SUB
 from pallas_kernels.util import LOG2E
 
 NSUB = C // SUB
+# Rows per anchor block with a lower-bound gate. Its anchored factors reach 2^(|lower_bound| log2(e) rows / 2)
+# (anchor at the block's middle): with KdaConfig's lower_bound >= -5 that is 2^115 at 32 rows, inside f32's and
+# bf16's range (2^127), and 32-row blocks halve the key tiles of 16-row ones.
+BOUNDED_BLOCK = 32
 
 
 def iota(shape: tuple[int, int], dim: int) -> jax.Array:
@@ -67,7 +71,9 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
   # Register budget: one [C, K] f32 array is 64 registers per thread, so row-dependent factors stay
   # per-row vectors (2 registers) and column-dependent ones per-column vectors, broadcast where used.
   bounded = lower_bound is not None
-  off = SUB // 2 if bounded else 0  # anchor row inside each 16-row block
+  blk_rows = BOUNDED_BLOCK if bounded else SUB
+  nblk = C // blk_rows
+  off = blk_rows // 2 if bounded else 0  # anchor row inside each block
   raw_q, qt_s, (p_s, f_s) = x_q
   raw_k, kd_s, (x_s, aqk_s) = x_k
   raw_v, bv_s = x_v
@@ -120,12 +126,12 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     g_pad[pl.ds(SUB, C), :] = G
     plgpu.commit_smem()
     g_last = plgpu.load(g_pad.at[SUB + C - 1], layout=COLV, optimized=False)
-    for b in range(NSUB):
-      anchors_s[b] = plgpu.load(g_pad.at[SUB + b * SUB + off], layout=COLV, optimized=False)
-    # Row factor 2^(G[r] - G[anchor of r's block]): each 16-row block is one warp's rows.
-    blk = iota((C, K), 0) // SUB
+    for b in range(nblk):
+      anchors_s[b] = plgpu.load(g_pad.at[SUB + b * blk_rows + off], layout=COLV, optimized=False)
+    # Row factor 2^(G[r] - G[anchor of r's block]): a block is one warp's rows (16) or two warps' (32).
+    blk = iota((C, K), 0) // blk_rows
     ex = G
-    for b in range(NSUB):
+    for b in range(nblk):
       nu_b = plgpu.load(anchors_s.at[b], layout=COLV, optimized=False)
       ex = jnp.where(blk == b, G - bcast_cols(nu_b, (C, K)), ex)
     d_row = jnp.exp2(ex)
@@ -164,9 +170,9 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     plgpu.commit_smem()
 
     phases.start("tiles")
-    # Tiles. Every factor is a pairwise-safe exponent (see README.md): 2^(G - G_anchor) bounded by ±58
-    # (lower-bound gate) or <= 1 (softplus gate), 2^G, 2^(G_last - G) and the keys' 2^(ν_b - G) <= 2^58,
-    # with keys past block b cut to 2^-inf = 0 by a per-row -inf added to the exponent.
+    # Tiles. Every factor is a pairwise-safe exponent (see README.md): 2^(G - G_anchor) within 2^±116
+    # (lower-bound gate) or <= 1 (softplus gate), 2^G, 2^(G_last - G) and the keys' 2^(ν_b - G), bounded like
+    # the rows, with keys past block b cut to 2^-inf = 0 by a per-row -inf added to the exponent.
     gamma_row = jnp.exp2(G)
     qt_s[...] = (q * d_row).astype(bf16)
     stage_a[...] = (q * gamma_row).astype(bf16)
@@ -183,14 +189,16 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
 
     phases.start("aqk_l")
     # Block row b of Aqk and L from the keys of block b (block rows are selected after the matmul); the
-    # key tiles take stage_a/stage_b in pairs once the qg/kg stores have read them.
+    # key tiles take stage_a/stage_b in pairs once the qg/kg stores have read them. With 32-row blocks an entry
+    # above the diagonal (a later key of the same block) can overflow to ±inf or NaN: the causal selects below
+    # drop those entries, and nothing multiplies them before.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    blocks = list(range(NSUB)) if bounded else list(range(1, NSUB))
+    blocks = list(range(nblk)) if bounded else list(range(1, nblk))
     for i in range(0, len(blocks), 2):
       pair = list(zip(blocks[i:i + 2], (stage_a, stage_b)))
       for b, kb_s in pair:
         nu_b = plgpu.load(anchors_s.at[b], layout=COLV, optimized=False)
-        cut = jnp.where(rowv < (b + 1 if bounded else b) * SUB, 0.0, -jnp.inf)
+        cut = jnp.where(rowv < (b + 1 if bounded else b) * blk_rows, 0.0, -jnp.inf)
         kb_s[...] = (k * jnp.exp2(bcast_cols(nu_b, (C, K)) - G + bcast_rows(cut, (C, K)))).astype(bf16)
       plgpu.commit_smem()
       for b, kb_s in pair:
@@ -200,7 +208,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
           return acc_a[...], acc_l[...]
 
         aqk_b, l_b = pl.run_scoped(block_products, plgpu.ACC((C, C), f32), plgpu.ACC((C, C), f32))
-        sel = r64 // SUB == b
+        sel = r64 // blk_rows == b
         aqk_acc = jnp.where(sel, aqk_b + aqk_acc, aqk_acc)
         l_acc = jnp.where(sel, l_b + l_acc, l_acc)
       plgpu.commit_smem()  # every warp's products have read the key tiles (and qt_s, kd_s)
