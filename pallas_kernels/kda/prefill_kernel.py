@@ -22,6 +22,12 @@ from pallas_kernels.kda.config import CHUNK_SIZE as C, KdaConfig
 from pallas_kernels.mosaic_interpret import interpret_mode
 
 
+def _search(sorted_arr: jax.Array, queries: jax.Array, side: str) -> jax.Array:
+  """``searchsorted`` as one comparison of every query with every entry: a single fused kernel, where the
+  default binary search is a loop of small kernels whose launches cost more than these tables' work."""
+  return jnp.searchsorted(sorted_arr, queries, side=side, method="compare_all").astype(jnp.int32)
+
+
 def _chunk_table(cu_seqlens: jax.Array, num_slots: int):
   """Per-sequence chunk ranges and per-slot (first token, valid rows) of the chunk-padded layout."""
   lens = cu_seqlens[1:] - cu_seqlens[:-1]
@@ -29,7 +35,7 @@ def _chunk_table(cu_seqlens: jax.Array, num_slots: int):
   ends = jnp.cumsum(nch)
   starts = ends - nch
   slots = jnp.arange(num_slots, dtype=jnp.int32)
-  seq = jnp.searchsorted(ends, slots, side="right").astype(jnp.int32)
+  seq = _search(ends, slots, "right")
   in_range = seq < lens.shape[0]
   seq_c = jnp.minimum(seq, lens.shape[0] - 1)
   local = slots - starts[seq_c]
@@ -45,13 +51,12 @@ def _checkpoint_table(indptr, offsets, slots, chunk_start, num_slots: int):
     sorted_chunk = jnp.full((1,), -1, jnp.int32)
     sorted_slot = jnp.full((1,), -1, jnp.int32)
   else:
-    seq = jnp.searchsorted(indptr, jnp.arange(M, dtype=jnp.int32), side="right") - 1
+    seq = _search(indptr, jnp.arange(M, dtype=jnp.int32), "right") - 1
     chunk = chunk_start[seq] + offsets // C - 1
     order = jnp.argsort(chunk, stable=True)
     sorted_chunk, sorted_slot = chunk[order].astype(jnp.int32), slots[order]
   ids = jnp.arange(num_slots, dtype=jnp.int32)
-  lo = jnp.searchsorted(sorted_chunk, ids, side="left").astype(jnp.int32)
-  hi = jnp.searchsorted(sorted_chunk, ids, side="right").astype(jnp.int32)
+  lo, hi = _search(sorted_chunk, ids, "left"), _search(sorted_chunk, ids, "right")
   return lo, hi, sorted_slot.astype(jnp.int32)
 
 
