@@ -247,16 +247,17 @@ def padded_smem(extra_bytes: int):
     plgpu.kernel = real
 
 
-def prep_executables(count: int) -> list:
-  """``count`` jitted preps (lower-bound gate, K = 128), each a function object of its own, so each compiles to,
-  and loads, an executable of its own."""
+def prep_executables(count: int, lower_bound: float | None = LB) -> list:
+  """``count`` jitted preps (K = 128; ``lower_bound`` None: the softplus gate), each a function object of its own,
+  so each compiles to, and loads, an executable of its own."""
   from pallas_kernels.kda import prefill_prep
 
-  return [jax.jit(functools.partial(prefill_prep.prep, scale=K ** -0.5, lower_bound=LB, smem_operands=False))
+  return [jax.jit(functools.partial(prefill_prep.prep, scale=K ** -0.5, lower_bound=lower_bound,
+                                    smem_operands=False))
           for _ in range(count)]
 
 
-def prep_setup(lens, H: int):
+def prep_setup(lens, H: int, lower_bound: float | None = LB):
   """The prep alone: ``(x, jitted prep, its arguments, chunk table)`` at these lengths and heads, the table being
   ``prefill_kernel._chunk_table``'s ``(chunk_start, nch, lens, tok, rows)``."""
   from pallas_kernels.kda import prefill_kernel
@@ -268,7 +269,7 @@ def prep_setup(lens, H: int):
   beta_t = jnp.pad(jnp.asarray(x["beta_raw"]).T, ((0, 0), (0, C)))
   num_slots = -(-T // C) + N
   table = prefill_kernel._chunk_table(jnp.asarray(x["cu"]), num_slots)
-  prep, = prep_executables(1)
+  prep, = prep_executables(1, lower_bound)
   pargs = (q, k, v, g, beta_t, jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]), *table[3:])
   return x, prep, pargs, table
 
@@ -376,14 +377,14 @@ def runner_modes(lens, H: int, runners: int = 6) -> dict:
   return out
 
 
-def input_placement(lens, H: int, copies: int = 6) -> dict:
+def input_placement(lens, H: int, copies: int = 6, lower_bound: float | None = LB) -> dict:
   """The prep alone, one executable, on ``copies`` separately allocated copies of the same inputs, timed in
   ``paired_overheads`` rounds (ratios against the first copy): does where the inputs lie set the prep's speed
   (``--runners`` placed a runner's slow mode in the prep)? Each copy also reports its inputs' addresses modulo
   2 MiB; ``as_temporaries_prep_kernel_ms`` then times the prep kernel in ``copies`` executables that keep its
   workspaces as temporaries, and ``own_executable_prep_kernel_ms`` in ``copies`` executables of the prep alone
-  (outputs allocated apart, as for the copies)."""
-  _, prep, pargs, _ = prep_setup(lens, H)
+  (outputs allocated apart, as for the copies). ``lower_bound`` None: the softplus gate."""
+  _, prep, pargs, _ = prep_setup(lens, H, lower_bound)
   runs, where = {}, {}
   for i in range(copies):
     args = tuple(jnp.array(a, copy=True) for a in pargs)
@@ -404,7 +405,7 @@ def input_placement(lens, H: int, copies: int = 6) -> dict:
   # executable from where its workspaces lie.
   sums = lambda *a: [jnp.sum(o.astype(jnp.float32)) for o in prep(*a)]
   out["as_temporaries_prep_kernel_ms"] = prep_kernel_ms([jax.jit(functools.partial(sums)) for _ in range(copies)])
-  out["own_executable_prep_kernel_ms"] = prep_kernel_ms(prep_executables(copies))
+  out["own_executable_prep_kernel_ms"] = prep_kernel_ms(prep_executables(copies, lower_bound))
   return out
 
 
@@ -441,25 +442,29 @@ def main():
   parser.add_argument("--executables", type=int, default=0,
                       help="only compile this many executables of the prep (T=8192 H=96) and call each once: "
                       "a target for ncu, to compare the launches of a fast and a slow executable")
+  parser.add_argument("--softplus", action="store_true",
+                      help="with --placement or --executables: the prep with the softplus gate (Kimi-Linear's) "
+                      "instead of the lower-bound gate")
   parser.add_argument("--quick", action="store_true", help="no bf16-state and checkpoint rows (make gpu-check)")
   parser.add_argument("--shapes", type=int, nargs="+", default=list(range(len(SHAPES))),
                       help="indices into SHAPES, in the order to run them")
   args = parser.parse_args()
   faulthandler.dump_traceback_later(args.watchdog, exit=True)
   print(f"devices: {jax.devices()}  commit: {args.commit}", flush=True)
+  gate_bound = None if args.softplus else LB
   if args.runners:
     name, lens, H = SHAPES[0]
     print(name, json.dumps(runner_modes(lens, H, args.runners)), flush=True)
     return 0
   if args.executables:
     _, lens, H = SHAPES[0]
-    pargs = prep_setup(lens, H)[2]
-    for f in prep_executables(args.executables):
+    pargs = prep_setup(lens, H, gate_bound)[2]
+    for f in prep_executables(args.executables, gate_bound):
       jax.block_until_ready(f(*pargs))
     return 0
   if args.placement:
     name, lens, H = SHAPES[0]
-    print(name, json.dumps(input_placement(lens, H, args.placement)), flush=True)
+    print(name, json.dumps(input_placement(lens, H, args.placement, gate_bound)), flush=True)
     return 0
   if args.profile:
     for name, lens, H in (SHAPES[0], SHAPES[3]):
