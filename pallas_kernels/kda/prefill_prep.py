@@ -193,25 +193,44 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     # above the diagonal (a later key of the same block) can overflow to ±inf or NaN: the causal selects below
     # drop those entries, and nothing multiplies them before.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    blocks = list(range(nblk)) if bounded else list(range(1, nblk))
-    for i in range(0, len(blocks), 2):
-      pair = list(zip(blocks[i:i + 2], (stage_a, stage_b)))
-      for b, kb_s in pair:
-        nu_b = plgpu.load(anchors_s.at[b], layout=COLV, optimized=False)
-        cut = jnp.where(rowv < (b + 1 if bounded else b) * blk_rows, 0.0, -jnp.inf)
-        kb_s[...] = (k * jnp.exp2(bcast_cols(nu_b, (C, K)) - G + bcast_rows(cut, (C, K)))).astype(bf16)
-      plgpu.commit_smem()
-      for b, kb_s in pair:
-        def block_products(acc_a, acc_l, kb_s=kb_s):
-          plgpu.wgmma(acc_a, qt_s, kb_s.T)
-          plgpu.wgmma(acc_l, kd_s, kb_s.T)
-          return acc_a[...], acc_l[...]
 
-        aqk_b, l_b = pl.run_scoped(block_products, plgpu.ACC((C, C), f32), plgpu.ACC((C, C), f32))
-        sel = r64 // blk_rows == b
-        aqk_acc = jnp.where(sel, aqk_b + aqk_acc, aqk_acc)
-        l_acc = jnp.where(sel, l_b + l_acc, l_acc)
+    def key_tile(b, kb_s):
+      nu_b = plgpu.load(anchors_s.at[b], layout=COLV, optimized=False)
+      cut = jnp.where(rowv < (b + 1 if bounded else b) * blk_rows, 0.0, -jnp.inf)
+      kb_s[...] = (k * jnp.exp2(bcast_cols(nu_b, (C, K)) - G + bcast_rows(cut, (C, K)))).astype(bf16)
+
+    def add_block(b, kb_s, acc):
+      def block_products(acc_a, acc_l):
+        plgpu.wgmma(acc_a, qt_s, kb_s.T)
+        plgpu.wgmma(acc_l, kd_s, kb_s.T)
+        return acc_a[...], acc_l[...]
+
+      aqk_b, l_b = pl.run_scoped(block_products, plgpu.ACC((C, C), f32), plgpu.ACC((C, C), f32))
+      sel = r64 // blk_rows == b
+      return jnp.where(sel, aqk_b + acc[0], acc[0]), jnp.where(sel, l_b + acc[1], acc[1])
+
+    acc = (aqk_acc, l_acc)
+    if bounded:
+      # Both key tiles at once (two 32-row blocks), one barrier before their products.
+      tiles = list(zip(range(nblk), (stage_a, stage_b)))
+      for b, kb_s in tiles:
+        key_tile(b, kb_s)
+      plgpu.commit_smem()
+      for b, kb_s in tiles:
+        acc = add_block(b, kb_s, acc)
       plgpu.commit_smem()  # every warp's products have read the key tiles (and qt_s, kd_s)
+    else:
+      # Three 16-row blocks as a loop, not unrolled: the code stays small enough that every executable of it
+      # runs at the same speed (README.md, "Code size").
+      def key_block(b, acc):
+        key_tile(b, stage_a)
+        plgpu.commit_smem()
+        acc = add_block(b, stage_a, acc)
+        plgpu.commit_smem()  # every warp's products have read the key tile before the next one overwrites it
+        return acc
+
+      acc = lax.fori_loop(1, nblk, key_block, acc)
+    aqk_acc, l_acc = acc
     aqk_s[...] = jnp.where(c64 <= r64, aqk_acc, 0.0).astype(bf16)
     lmat = jnp.where(c64 < r64, bcast_rows(beta, (C, C)) * l_acc, 0.0)
     plgpu.commit_smem()
