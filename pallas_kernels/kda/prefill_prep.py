@@ -189,7 +189,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
 
     phases.start("aqk_l")
     # Block row b of Aqk and L from the keys of block b (block rows are selected after the matmul); the
-    # key tiles take stage_a/stage_b in pairs once the qg/kg stores have read them. With 32-row blocks an entry
+    # key tiles take stage_a and stage_b once the qg/kg stores have read them. With 32-row blocks an entry
     # above the diagonal (a later key of the same block) can overflow to ±inf or NaN: the causal selects below
     # drop those entries, and nothing multiplies them before.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
