@@ -467,7 +467,7 @@ def main():
     print(name, json.dumps(input_placement(lens, H, args.placement, gate_bound)), flush=True)
     return 0
   if args.profile:
-    for name, lens, H in (SHAPES[0], SHAPES[3]):
+    for name, lens, H in (SHAPES[0], SHAPES[2], SHAPES[3]):
       print(name, json.dumps(profile(lens, H)), flush=True)
     for name, lens, H in (SHAPES[0], SHAPES[2]):
       for variant, table in kernel_table(lens, H).items():
