@@ -78,16 +78,17 @@ def bench(fn, iters: int, reps: int = 5) -> float:
   return float(np.median(times))
 
 
-def ours_runner(x, lens, H: int, *, state_dtype=jnp.float32, per_seq_ckpt: int = 0):
+def ours_runner(x, lens, H: int, *, state_dtype=jnp.float32, per_seq_ckpt: int = 0,
+                lower_bound: float | None = LB):
   """``(run, o)``: ``run(n)`` makes n back-to-back jitted ``kda_prefill`` calls (the pool donated and threaded
-  through) and blocks; ``o`` is the first call's output (f32 NumPy)."""
+  through) and blocks; ``o`` is the first call's output (f32 NumPy). ``lower_bound`` None: the softplus gate."""
   N = len(lens)
   ind, off, slots = checkpoints(lens, per_seq_ckpt) if per_seq_ckpt else (
       np.zeros(N + 1, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
   P = N + len(off)
   pool = np.zeros((P, H, V, K), np.float32)
   pool[:N] = x["h0"]
-  cfg = kda.KdaConfig(lower_bound=LB, state_dtype=state_dtype, impl="pallas")
+  cfg = kda.KdaConfig(lower_bound=lower_bound, state_dtype=state_dtype, impl="pallas")
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)
   args = (bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["g_raw"]), bf(x["beta_raw"]), jnp.asarray(x["A_log"]),
           jnp.asarray(x["dt_bias"]), jnp.asarray(x["cu"]))
@@ -188,8 +189,9 @@ def _time_torch(call, name: str, iters: int):
   return t_called, t_graph, o
 
 
-def fla(x, iters: int = 20):
-  """FLA's ``chunk_kda`` with the gate, β sigmoid and q/k L2 norm in its kernel, V-first f32 state."""
+def fla(x, lower_bound: float | None, iters: int = 20):
+  """FLA's ``chunk_kda`` with the gate, β sigmoid and q/k L2 norm in its kernel, V-first f32 state (its safe
+  gate for a lower bound, its softplus gate for None)."""
   import torch
   from fla.ops.kda import chunk_kda
 
@@ -199,17 +201,20 @@ def fla(x, iters: int = 20):
   def call():
     o, _ = chunk_kda(a["q"], a["k"], a["v"], a["g"], a["beta"], initial_state=a["h0"], output_final_state=True,
                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                     safe_gate=True, lower_bound=LB, A_log=a["A_log"], dt_bias=a["dt_bias"].reshape(-1),
+                     safe_gate=lower_bound is not None, lower_bound=lower_bound, A_log=a["A_log"],
+                     dt_bias=a["dt_bias"].reshape(-1),
                      state_v_first=True, cu_seqlens=a["cu"], cu_seqlens_cpu=cu_cpu)
     return o[0]
 
   return _time_torch(call, "FLA", iters)
 
 
-def flashkda(x, iters: int = 20):
+def flashkda(x, lower_bound: float | None, iters: int = 20):
   """FlashKDA's forward (CUTLASS; built by tools/peers/build_flashkda.sh): the same gate formula, β sigmoid
   and q/k L2 norm inside, f32 state in and out in our ``[N, H, V, K]`` layout. Each call allocates its
-  output, final state and workspace, as its Python API does."""
+  output, final state and workspace, as its Python API does. It has the lower-bound gate only."""
+  if lower_bound is None:
+    raise NotImplementedError("FlashKDA has no softplus gate")
   import torch
   import flash_kda
 
@@ -217,7 +222,7 @@ def flashkda(x, iters: int = 20):
 
   def call():
     out, final = torch.empty_like(a["v"]), torch.empty_like(a["h0"])
-    flash_kda.fwd(a["q"], a["k"], a["v"], a["g"], a["beta"], K ** -0.5, out, a["A_log"], a["dt_bias"], LB,
+    flash_kda.fwd(a["q"], a["k"], a["v"], a["g"], a["beta"], K ** -0.5, out, a["A_log"], a["dt_bias"], lower_bound,
                   initial_state=a["h0"], final_state=final, cu_seqlens=a["cu"])
     return out[0]
 
@@ -443,8 +448,8 @@ def main():
                       help="only compile this many executables of the prep (T=8192 H=96) and call each once: "
                       "a target for ncu, to compare the launches of a fast and a slow executable")
   parser.add_argument("--softplus", action="store_true",
-                      help="with --placement or --executables: the prep with the softplus gate (Kimi-Linear's) "
-                      "instead of the lower-bound gate")
+                      help="the softplus gate (Kimi-Linear's) instead of the lower-bound gate: the whole call "
+                      "against FLA (FlashKDA has no such gate), or with --placement or --executables the prep")
   parser.add_argument("--quick", action="store_true", help="no bf16-state and checkpoint rows (make gpu-check)")
   parser.add_argument("--shapes", type=int, nargs="+", default=list(range(len(SHAPES))),
                       help="indices into SHAPES, in the order to run them")
@@ -480,7 +485,7 @@ def main():
   for name, lens, H in (SHAPES[i] for i in args.shapes):
     x = make_inputs(lens, H)
     T, N = int(sum(lens)), len(lens)
-    t_ours, o = ours(x, lens, H)
+    t_ours, o = ours(x, lens, H, lower_bound=gate_bound)
     row = dict(shape=name, T=T, H=H, N=N, ours_ms=t_ours, mtok_s=T / t_ours / 1e3,
                tflops=flops(T, H) / t_ours / 1e9,
                roofline_ms=max(flops(T, H) / PEAK_BF16_FLOPS, min_bytes(T, H, N, 4) / COPY_BYTES_PER_S) * 1e3)
@@ -489,7 +494,7 @@ def main():
       if peer in skip:
         continue
       try:
-        t_called, t_graph, o_peer = fn(x)
+        t_called, t_graph, o_peer = fn(x, gate_bound)
       except Exception as e:  # keep our numbers when the peer is missing or fails
         print(f"  {peer} failed: {type(e).__name__}: {e}", flush=True)
         skip.add(peer)
@@ -504,7 +509,7 @@ def main():
       # (variants have measured steadily faster than the base while adding work: RESULTS.md, session 14).
       variants = dict(base=dict(), base_again=dict(), bf16_state=dict(state_dtype=jnp.bfloat16),
                       ckpt1=dict(per_seq_ckpt=1), ckpt4=dict(per_seq_ckpt=4))
-      runs = {v: ours_runner(x, lens, H, **kw)[0] for v, kw in variants.items()}
+      runs = {v: ours_runner(x, lens, H, lower_bound=gate_bound, **kw)[0] for v, kw in variants.items()}
       for v, m in paired_overheads(runs).items():
         row.update({f"{v}_{key}": val for key, val in m.items()})
       row.update(kernel_overheads({v: call_kernels(run) for v, run in runs.items()}))
