@@ -3,6 +3,8 @@
 Sections (each a subprocess with its own time limit and log):
   gpu-tests    ``pytest -m gpu``: the compiled kernels at real sizes
   randomized   ``pytest tests/test_randomized_*.py`` with the GPU example budget (compiled kernels)
+  other-tests  the rest of the suite (``-m "not gpu" -k "not randomized"``): kernel tests compiled, XLA paths on
+               the GPU's numerics (TF32 f32 matmuls by default), which CI's CPUs never show
   demo         ``python -m k3jax.demo`` with the Pallas kernels
   kda-prefill, kda-decode, short-conv, mla-decode, mla-prefill, sharded-block, prefix-cache   each benchmark
                in its quick mode; the summary quotes the key numbers and the ratios to the peers (FLA,
@@ -131,6 +133,8 @@ SHARED_GPU = (("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),)
 SECTIONS = (
     Section("gpu-tests", PYTEST + ("-m", "gpu"), 420, _pytest_summary, SHARED_GPU),
     Section("randomized", PYTEST + ("-k", "randomized", "tests"), 420, _pytest_summary, SHARED_GPU),
+    Section("other-tests", PYTEST + ("-m", "not gpu", "-k", "not randomized", "tests"), 540, _pytest_summary,
+            SHARED_GPU),
     Section("demo", (PY, "-m", "k3jax.demo"), 240, _demo_summary),
     Section("kda-prefill", (PY, "benchmarks/kda_prefill.py", "--quick", "--shapes", "0", "3", "--json", "{json}"),
             300, _kda_prefill),
