@@ -143,11 +143,13 @@ def test_mla_decode_over_fp8_rows_is_attention_over_their_values(partial_dtype, 
 
 
 @pytest.mark.parametrize("partial_dtype", [jnp.float32, jnp.bfloat16])
-def test_kernel_over_fp8_rows_is_attention_over_their_values(kernel_impl, partial_dtype):
-  """The kernel dequantises each page on chip into the bf16 tile its matmuls read: the oracle of the held
-  values within the bf16 cache's tolerances, and the XLA path within those twice."""
+@pytest.mark.parametrize("heads", [72, 11])
+def test_kernel_over_fp8_rows_is_attention_over_their_values(kernel_impl, partial_dtype, heads):
+  """The kernel dequantises each page on chip into the bf16 tile its matmuls read (72 heads: the 64-row tiles'
+  compute warpgroups; 11: the narrow kernel's memory warpgroup, piece by piece): the oracle of the held values
+  within the bf16 cache's tolerances, and the XLA path within those twice."""
   rng = np.random.default_rng(3)
-  q, rows, table, lens = _decode_case(rng, [0, 1, 63, 65, 4 * PAGE_SIZE - 7], heads=72, peaky=True)
+  q, rows, table, lens = _decode_case(rng, [0, 1, 63, 65, 4 * PAGE_SIZE - 7], heads=heads, peaky=True)
   cache = cache_format.quantize_rows(jnp.asarray(rows, jnp.float32), FP8, LATENT_DIM)
   q_bf16 = jnp.asarray(q, jnp.bfloat16)
   o_ref, lse_ref = mla_decode_oracle(q_bf16, np_decode_rows(np.asarray(cache)), table, lens, scale=K3_MLA_SCALE)
@@ -176,15 +178,15 @@ def test_kernels_refuse_a_non_bf16_query(impl):
                config=MlaDecodeConfig(scale=K3_MLA_SCALE, impl=impl))
 
 
-@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize(("num_heads", "narrow"), [(16, False), (128, False), (11, True), (16, True)])
 @pytest.mark.parametrize("partial_dtype", [jnp.bfloat16, jnp.float32])
-def test_fp8_kernel_lowers_for_cuda(num_heads, partial_dtype):
+def test_fp8_kernel_lowers_for_cuda(num_heads, narrow, partial_dtype):
   """Mosaic GPU lowering, layout inference and the shared-memory check of the fp8 variant, on the CPU."""
   shapes = (jax.ShapeDtypeStruct((2, num_heads, DIM), jnp.bfloat16),
             jax.ShapeDtypeStruct((9, PAGE_SIZE, DIM + 16), FP8),
             jax.ShapeDtypeStruct((2, 4), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32))
   f = functools.partial(mla_kernel.mla_decode_partials_mosaic, scale=K3_MLA_SCALE, num_splits=2,
-                        partial_dtype=partial_dtype, interpret=False, smem_operands=False)
+                        partial_dtype=partial_dtype, interpret=False, narrow=narrow, smem_operands=False)
   assert "mosaic_gpu" in jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -259,10 +261,10 @@ def test_cache_writes_take_fp8_rows_exactly_for_an_fp8_cache():
   assert np.asarray(cache_format.dequantize_rows(written, LATENT_DIM))[:, 1:].max() == 0
 
 
-def test_narrow_kernel_refuses_an_fp8_cache():
+def test_narrow_kernel_refuses_an_fp8_cache_past_16_heads():
   rng = np.random.default_rng(4)
-  q, rows, table, lens = _decode_case(rng, [70], heads=11)
+  q, rows, table, lens = _decode_case(rng, [70], heads=17)
   cache = cache_format.quantize_rows(jnp.asarray(rows, jnp.float32), FP8, LATENT_DIM)
-  with pytest.raises(NotImplementedError, match="narrow=True takes a bf16 kv_cache .* a float8_e4m3fn kv_cache"):
+  with pytest.raises(NotImplementedError, match="16 with an fp8 one, got q_abs with 17 .* float8_e4m3fn kv_cache"):
     mla_decode(jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(table), jnp.asarray(lens),
                config=MlaDecodeConfig(scale=K3_MLA_SCALE, impl="interpret", tuning=MlaDecodeTuning(narrow=True)))

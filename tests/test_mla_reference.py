@@ -283,18 +283,19 @@ def test_narrow_kernel_takes_at_most_32_heads():
   # Valid but unsupported: the transposed kernel's SMEM holds 32 head rows; impl xla ignores the knob.
   args = mla_paged_inputs(12, [100], num_heads=40, max_pages=2, q_dtype=jnp.bfloat16)
   narrow = lambda impl: MlaDecodeConfig(scale=K3_MLA_SCALE, impl=impl, tuning=MlaDecodeTuning(narrow=True))
-  with pytest.raises(NotImplementedError, match="narrow=True takes a bf16 kv_cache and at most 32 query heads, got "
-                                                "q_abs with 40"):
+  with pytest.raises(NotImplementedError, match="narrow=True takes at most 32 query heads with a bf16 kv_cache "
+                                                "and 16 with an fp8 one, got q_abs with 40"):
     mla_decode(*args, config=narrow("interpret"))
   mla_decode(*args, config=narrow("xla"))
 
 
 def test_default_tuning_takes_the_narrow_kernel_only_where_it_applies():
-  # bf16 cache and at most 32 heads (K3 under TP9 has 11 per GPU); an fp8 cache or 33+ heads: the 64-row tiles.
+  # At most 32 heads with a bf16 cache, 16 with an fp8 one (K3 under TP9 has 11 per GPU); else the 64-row tiles.
   narrow = lambda heads, dtype: default_tuning(8, heads, 64, cache_dtype=dtype).narrow
   assert narrow(1, jnp.bfloat16) and narrow(11, jnp.bfloat16) and narrow(32, "bfloat16")
   assert not narrow(33, jnp.bfloat16) and not narrow(128, jnp.bfloat16)
-  assert not narrow(11, jnp.float8_e4m3fn) and not narrow(11, jnp.float32)
+  assert narrow(11, jnp.float8_e4m3fn) and narrow(16, jnp.float8_e4m3fn) and not narrow(17, jnp.float8_e4m3fn)
+  assert not narrow(11, jnp.float32)
 
 
 def test_tuning_reaches_the_split_reference():

@@ -40,12 +40,12 @@ def default_tuning(batch: int, num_heads: int, max_pages: int, *,
 
   Args:
     batch: B, sequences of the call. num_heads: Hq, query heads. max_pages: block-table columns.
-    cache_dtype: the kv_cache's dtype (bf16 or fp8; the narrow kernel takes bf16 only).
+    cache_dtype: the kv_cache's dtype (bf16 or fp8; ``kernel.narrow_applies`` says up to how many heads).
 
   Returns:
     ``MlaDecodeTuning`` with ``num_splits`` from ``choose_num_splits``, and ``narrow`` True wherever the narrow
-    kernel applies (Hq <= ``kernel.NARROW_MAX_HEADS`` with a bf16 cache): there it skips the padding rows of the
-    64-row head tile, so its page loads, not its matrix work, bound each page.
+    kernel applies (``kernel.narrow_applies``): there it skips the padding rows of the 64-row head tile, so its
+    page loads, not its matrix work, bound each page.
   """
   narrow = kernel.narrow_applies(num_heads, cache_dtype)
   return MlaDecodeTuning(num_splits=choose_num_splits(batch, num_heads, max_pages), narrow=narrow)
@@ -121,9 +121,9 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
   # The XLA reference has one form; the kernels take the narrow one where the tuning (or its default) asks.
   narrow = config.impl != "xla" and (defaults.narrow if tuning.narrow is None else tuning.narrow)
   if narrow and not kernel.narrow_applies(num_heads, kv_cache.dtype):
-    raise NotImplementedError(f"mla_decode tuning.narrow=True takes a bf16 kv_cache and at most "
-                              f"{kernel.NARROW_MAX_HEADS} query heads, got q_abs with {num_heads} and a "
-                              f"{jnp.dtype(kv_cache.dtype).name} kv_cache")
+    raise NotImplementedError(f"mla_decode tuning.narrow=True takes at most {kernel.NARROW_MAX_HEADS} query "
+                              f"heads with a bf16 kv_cache and {kernel.FP8_NARROW_MAX_HEADS} with an fp8 one, got "
+                              f"q_abs with {num_heads} and a {jnp.dtype(kv_cache.dtype).name} kv_cache")
   return _mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=config.scale,
                      num_splits=effective_num_splits(max_pages, num_splits), partial_dtype=config.partial_dtype,
                      narrow=narrow, impl=config.impl, out_dtype=out_dtype)

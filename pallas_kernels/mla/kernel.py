@@ -3,8 +3,9 @@
 One program per (split, sequence, 64-row head tile), head tiles fastest, or with ``narrow`` per (split,
 sequence) for all heads with the products transposed (the heads as the MMA's N); a memory warpgroup streams
 the sequence's pages by TMA into a two-slot ring that two compute warpgroups share (QK and the softmax on one,
-``P @ V`` split by output columns over both). An fp8 cache (``cache_format``) is dequantised on chip into a bf16
-tile first. See README.md for the derivation, the NaN rules, the fp8 pages and the SMEM budget.
+``P @ V`` split by output columns over both). An fp8 cache (``cache_format``) is dequantised on chip into bf16:
+with 64-row tiles by the compute warpgroups into one tile, in the narrow kernel by the memory warpgroup into the
+ring. See README.md for the derivation, the NaN rules, the fp8 pages and the SMEM budget.
 """
 
 import functools
@@ -26,6 +27,7 @@ COLS = LATENT_DIM // 2  # output columns per compute warpgroup
 STAGES = 2  # KV ring slots: a third [64, 576] tile would exceed the 227 KiB of SMEM
 COMPUTE_WGS = 2
 NARROW_MAX_HEADS = 32  # the narrow kernel's heads: at 64 its SMEM (q, ring, reduction scratch) would not fit
+FP8_NARROW_MAX_HEADS = 16  # with an fp8 cache: its staging ring for the fp8 pieces fits beside q up to 16 heads
 LOG2E = util.LOG2E
 LN2 = math.log(2.0)
 INIT_MAX = -1e30  # finite: exp2(INIT_MAX - m) is 0 and never (-inf) - (-inf)
@@ -39,19 +41,36 @@ ROW_WORDS = cache_format.row_width(DIM, cache_format.FP8) // 4
 SCALE_WORDS = 8
 SCALE_WORD0 = ROW_WORDS - SCALE_WORDS
 SCALE_COLS = (DIM // 4 - SCALE_WORD0, DIM // 4 + 1 - SCALE_WORD0)
+# fp8 cache, narrow kernel: the memory warpgroup loads each page as three column pieces (three 64-column chunks
+# each) into a four-slot staging ring, and converts each piece into the page's bf16 ring slot as soon as it lands,
+# so about four pieces are in flight while it converts.
+PIECE_CHUNKS = 3
+PIECE_COLS = PIECE_CHUNKS * FP8_CHUNK
+PIECES = DIM // PIECE_COLS
+PIECE_SLOTS = 4
 
 
 def narrow_applies(num_heads: int, cache_dtype) -> bool:
-  """Whether the narrow kernel takes this call: at most ``NARROW_MAX_HEADS`` heads and a bf16 cache."""
+  """Whether the narrow kernel takes this call: at most ``NARROW_MAX_HEADS`` heads with a bf16 cache, at most
+  ``FP8_NARROW_MAX_HEADS`` with an fp8 one."""
+  if cache_format.is_fp8(cache_dtype):
+    return num_heads <= FP8_NARROW_MAX_HEADS
   return num_heads <= NARROW_MAX_HEADS and jnp.dtype(cache_dtype) == jnp.bfloat16
 
 
 def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_operands: bool, fp8: bool,
           narrow: bool):
-  if fp8:
+  # fp8 pages: the compute warpgroups dequantise them into one tile (64-row tiles), or the memory warpgroup
+  # converts them into the bf16 ring (narrow), after which the compute warpgroups see a bf16 page.
+  dequant, convert = fp8 and not narrow, fp8 and narrow
+  if dequant:
     (words_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, row_smem, lse_smem, q_bar, kv_bar,
      consumed_bar, p_ready_bar, p_free_bar, tile_ready_bar, tile_free_bar) = refs
     (raw, scales, kv_tile), p_ring, o_stage = ring
+  elif convert:
+    (words_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_smem, row_smem, lse_smem, q_bar, kv_bar,
+     consumed_bar, p_ready_bar, p_free_bar, pieces, piece_scales, piece_bar, scale_bar) = refs
+    kv_smem, o_stage = ring
   else:
     (table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_smem, row_smem, lse_smem, q_bar, kv_bar, consumed_bar,
      p_ready_bar, p_free_bar) = refs
@@ -82,9 +101,9 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
                          plgpu.load(v, layout=plgpu.Layout.WGMMA, optimized=False), 0).astype(v.dtype)
 
   def p_tile(i):
-    """Where P of page i goes: one buffer (bf16); fp8: the first rows of page i's ring slot, whose values are in
-    the bf16 tile by then (the slot goes back to the memory warpgroup only after ``P @ V``)."""
-    if fp8:
+    """Where P of page i goes: one buffer; fp8 with 64-row tiles: the first rows of page i's ring slot, whose values
+    are in the bf16 tile by then (the slot goes back to the memory warpgroup only after ``P @ V``)."""
+    if dequant:
       return p_ring.at[lax.rem(i, STAGES), pl.ds(0, rows)]
     return p_smem
 
@@ -116,23 +135,30 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     """
     pl.when(i + STAGES < num_pages)(lambda: plgpu.barrier_arrive(consumed_bar.at[slot]))
 
-  def dequantize(w, slot, page_start):
-    """fp8: warpgroup w's column chunks of ring slot ``slot`` into ``kv_tile`` as bf16 ``value * scale`` (the
-    latent chunks by the row's latent scale, the rope chunk by its rope scale); rows past ``seq_len`` become 0,
-    which also makes ``P @ V`` NaN-safe there."""
-    shape = (PAGE_SIZE, FP8_CHUNK)
+  def row_scales(words_ref):
+    """A page's ``[64, 8]`` scale words as two row vectors, the latent and the rope scales."""
     col = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, SCALE_WORDS), 1, layout=plgpu.Layout.WGMMA)
-    words = plgpu.load(scales.at[slot], layout=plgpu.Layout.WGMMA, optimized=False)
-    # The scales as row vectors: a masked row max picks one column (and keeps a NaN scale NaN).
-    s_c, s_pe = (jnp.where(col == c, words, -jnp.inf).max(axis=1) for c in SCALE_COLS)
+    words = plgpu.load(words_ref, layout=plgpu.Layout.WGMMA, optimized=False)
+    # A masked row max picks one column (and keeps a NaN scale NaN).
+    return tuple(jnp.where(col == c, words, -jnp.inf).max(axis=1) for c in SCALE_COLS)
+
+  def dequantize_chunk(src, dst, c, s_c, s_pe, page_start):
+    """fp8 chunk ``c`` (``[64, 64]`` values at ``src``) into ``dst`` as bf16 ``value * scale`` (the latent chunks
+    by the row's latent scale, the rope chunk by its rope scale); rows past ``seq_len`` become 0, which also makes
+    ``P @ V`` NaN-safe there."""
+    shape = (PAGE_SIZE, FP8_CHUNK)
     valid = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) < seq_len - page_start
+    # e4m3 -> f16 is exact (and the conversion Hopper has); the scale is applied in f32.
+    x = plgpu.load(src, layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float16).astype(jnp.float32)
+    x = x * lax.broadcast_in_dim(s_pe if c * FP8_CHUNK >= LATENT_DIM else s_c, shape, (0,))
+    dst[...] = jnp.where(valid, x, 0.0).astype(dst.dtype)
+
+  def dequantize(w, slot, page_start):
+    """fp8, 64-row tiles: warpgroup w's column chunks of ring slot ``slot`` into ``kv_tile``."""
+    s_c, s_pe = row_scales(scales.at[slot])
     for c in FP8_CHUNKS[w]:
       cols = pl.ds(c * FP8_CHUNK, FP8_CHUNK)
-      x = plgpu.load(raw.at[slot, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
-      # e4m3 -> f16 is exact (and the conversion Hopper has); the scale is applied in f32.
-      x = x.astype(jnp.float16).astype(jnp.float32)
-      x = x * lax.broadcast_in_dim(s_pe if c * FP8_CHUNK >= LATENT_DIM else s_c, shape, (0,))
-      kv_tile.at[:, cols][...] = jnp.where(valid, x, 0.0).astype(kv_tile.dtype)
+      dequantize_chunk(raw.at[slot, :, cols], kv_tile.at[:, cols], c, s_c, s_pe, page_start)
 
   def acquire(i, w):
     """Page i's ``[64, 576]`` bf16 tile for warpgroup w's QK / ``P @ V``. bf16: the ring slot itself. fp8: both
@@ -140,7 +166,7 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     with it."""
     slot = lax.rem(i, STAGES)
     plgpu.barrier_wait(kv_bar.at[slot])
-    if not fp8:
+    if not dequant:
       return kv_smem.at[slot]
     pl.when(i > 0)(lambda: plgpu.barrier_wait(tile_free_bar))
     dequantize(w, slot, (first_page + i) * PAGE_SIZE)
@@ -153,7 +179,7 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     """After a warpgroup's ``P @ V`` of page i: the ring slot goes back to the memory warpgroup (fp8: it held P
     too), and the fp8 tile may take the next page (an arrival only if a next page awaits it, as in
     ``release``)."""
-    if fp8:
+    if dequant:
       pl.when(i + 1 < num_pages)(lambda: plgpu.barrier_arrive(tile_free_bar))
     release(i, lax.rem(i, STAGES))
 
@@ -176,7 +202,7 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
 
   def leader():
     """Warpgroup 0: QK and the softmax for the whole page, then its half of ``P @ V``."""
-    if not smem_operands:
+    if not (smem_operands or convert):  # the converting memory warpgroup keeps its registers
       plgpu.set_max_registers(232, action="increase")
     cols = pl.ds(0, COLS)
     phases = util.Phases()  # named regions for the on-device profiler (util.compiler_params)
@@ -251,7 +277,7 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
 
   def follower():
     """Warpgroup 1: the other half of ``P @ V`` with the leader's P and alpha."""
-    if not smem_operands:
+    if not (smem_operands or convert):  # the converting memory warpgroup keeps its registers
       plgpu.set_max_registers(232, action="increase")
     cols = pl.ds(COLS, COLS)
     phases = util.Phases()
@@ -280,12 +306,57 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
   pl.when(wg == 0)(leader)
   pl.when(wg == 1)(follower)
 
+  def issue_piece(i, p):
+    """fp8, narrow: the TMA of page i's column piece p (static) into staging slot ``(PIECES * i + p) %
+    PIECE_SLOTS``, and with its first piece the page's scale words."""
+    page = table_ref[b, first_page + i]
+    staged = lax.rem(i * PIECES + p, PIECE_SLOTS)
+    plgpu.copy_gmem_to_smem(kv_ref.at[page, :, pl.ds(p * PIECE_COLS, PIECE_COLS)], pieces.at[staged],
+                            piece_bar.at[staged])
+    if p == 0:
+      s = lax.rem(i, STAGES)
+      plgpu.copy_gmem_to_smem(words_ref.at[page, :, pl.ds(SCALE_WORD0, SCALE_WORDS)], piece_scales.at[s],
+                              scale_bar.at[s])
+
+  def convert_pages(phases):
+    """fp8, narrow: the memory warpgroup dequantises each page piece by piece into its bf16 ring slot (the rows
+    past ``seq_len`` as 0) and reloads a staging slot as soon as its piece is converted."""
+    for h in range(PIECE_SLOTS):
+      i, p = divmod(h, PIECES)
+      pl.when(i < num_pages)(functools.partial(issue_piece, i, p))
+
+    @pl.loop(0, num_pages)
+    def _(i):
+      slot = lax.rem(i, STAGES)
+      phases.start("mem_slot_wait")
+      pl.when(i >= STAGES)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
+      phases.start("mem_convert")
+      plgpu.barrier_wait(scale_bar.at[slot])
+      s_c, s_pe = row_scales(piece_scales.at[slot])
+      page_start = (first_page + i) * PAGE_SIZE
+      for p in range(PIECES):
+        staged = lax.rem(i * PIECES + p, PIECE_SLOTS)
+        plgpu.barrier_wait(piece_bar.at[staged])
+        for k in range(PIECE_CHUNKS):
+          c = p * PIECE_CHUNKS + k
+          dequantize_chunk(pieces.at[staged, :, pl.ds(k * FP8_CHUNK, FP8_CHUNK)],
+                           kv_smem.at[slot, :, pl.ds(c * FP8_CHUNK, FP8_CHUNK)], c, s_c, s_pe, page_start)
+        # Every thread has read the piece (its slot may be reloaded) and its bf16 chunks are visible to wgmma.
+        plgpu.commit_smem()
+        pages_on, p_next = divmod(p + PIECE_SLOTS, PIECES)  # the piece PIECE_SLOTS on takes the same slot
+        pl.when(i + pages_on < num_pages)(functools.partial(issue_piece, i + pages_on, p_next))
+      plgpu.barrier_arrive(kv_bar.at[slot])
+      phases.end()
+
   @pl.when(wg == COMPUTE_WGS)
   def _memory():
-    if not smem_operands:
+    if not (smem_operands or convert):
       plgpu.set_max_registers(40, action="decrease")
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, rows)], q_smem, q_bar)
     phases = util.Phases()
+    if convert:
+      convert_pages(phases)
+      return
 
     @pl.loop(0, num_pages)
     def _(i):
@@ -320,25 +391,33 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
   tile_dtype = jnp.bfloat16 if fp8 else kv_cache.dtype
   tile = lambda shape, dtype: plgpu.SMEM(shape, dtype, transforms=util.smem_transforms(dtype, shape[-1]))
   o_stage = tile((COMPUTE_WGS,) + ((COLS, rows) if narrow else (rows, COLS)), partial_dtype)
-  inputs, extra_barriers = (q_pad, kv_cache), ()
+  inputs, extra = (q_pad, kv_cache), ()
   p_smem = (tile((rows, PAGE_SIZE), tile_dtype),)
   if fp8:
+    # The same bytes as f32 words (a bitcast, no copy): the memory warpgroup loads the scales from there.
+    words = lax.bitcast_convert_type(kv_cache.reshape(kv_cache.shape[:2] + (ROW_WORDS, 4)), jnp.float32)
+    inputs += (words,)
+  # The fp8 slots are tiled (8, 16): a tiled TMA needs the rows of the source (592 here) in whole tiles.
+  fp8_slots = lambda n, cols: plgpu.SMEM((n, PAGE_SIZE, cols), kv_cache.dtype,
+                                         transforms=(plgpu.TilingTransform((8, FP8_TILE_COLS)),))
+  if fp8 and narrow:
+    # A bf16 ring as for a bf16 cache, which the memory warpgroup fills from the fp8 staging slots.
+    ring = plgpu.RefUnion(tile((STAGES, PAGE_SIZE, DIM), tile_dtype), o_stage)
+    kv_bar = plgpu.Barrier(num_barriers=STAGES)
+    extra = (fp8_slots(PIECE_SLOTS, PIECE_COLS), plgpu.SMEM((STAGES, PAGE_SIZE, SCALE_WORDS), jnp.float32),
+             plgpu.Barrier(num_barriers=PIECE_SLOTS), plgpu.Barrier(num_barriers=STAGES))
+  elif fp8:
     # Three groups from the same offset: the fp8 ring (then the scales and the bf16 tile); P of each page in the
     # first rows of its ring slot (a slot's values are in the tile before P is written, and the slot is reloaded
     # only after P @ V); the staging of the outputs once the pages are done. A separate P buffer would not fit.
-    # The fp8 slots are tiled (8, 16): a tiled TMA needs the rows of the source (592 here) in whole tiles.
-    ring = plgpu.RefUnion((plgpu.SMEM((STAGES, PAGE_SIZE, DIM), kv_cache.dtype,
-                                      transforms=(plgpu.TilingTransform((8, FP8_TILE_COLS)),)),
+    ring = plgpu.RefUnion((fp8_slots(STAGES, DIM),
                            plgpu.SMEM((STAGES, PAGE_SIZE, SCALE_WORDS), jnp.float32),
                            tile((PAGE_SIZE, DIM), tile_dtype)),
                           tile((STAGES, DIM // 2, PAGE_SIZE), tile_dtype),  # a slot's bytes as [*, 64] bf16
                           o_stage)
     p_smem = ()
-    # The same bytes as f32 words (a bitcast, no copy): the memory warpgroup loads the scales from there.
-    words = lax.bitcast_convert_type(kv_cache.reshape(kv_cache.shape[:2] + (ROW_WORDS, 4)), jnp.float32)
-    inputs += (words,)
     kv_bar = plgpu.Barrier(num_arrivals=2, num_barriers=STAGES)  # values, scales
-    extra_barriers = (plgpu.Barrier(num_arrivals=COMPUTE_WGS), plgpu.Barrier(num_arrivals=COMPUTE_WGS))  # tile
+    extra = (plgpu.Barrier(num_arrivals=COMPUTE_WGS), plgpu.Barrier(num_arrivals=COMPUTE_WGS))  # tile
   else:
     ring = plgpu.RefUnion(tile((STAGES, PAGE_SIZE, DIM), kv_cache.dtype), o_stage)
     kv_bar = plgpu.Barrier(num_barriers=STAGES)
@@ -365,7 +444,7 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
           plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES),
           plgpu.Barrier(),
           plgpu.Barrier(),
-      ) + extra_barriers,
+      ) + extra,
       # Wide: the row reductions stay inside a warp, and SMEM has no room for scratch. Narrow: the reductions
       # over the tokens (the rows of S^T) cross the warps, through the default scratch.
       compiler_params=util.compiler_params(approx_math=True, **({} if narrow else dict(reduction_scratch_bytes=0))),
@@ -391,8 +470,8 @@ def mla_decode_partials_mosaic(q_abs: jax.Array, kv_cache: jax.Array, block_tabl
     scale: softmax scale. num_splits: splits S (each ``pages_per_split`` pages). partial_dtype: bf16/f32.
     interpret: run in Mosaic GPU interpret mode (CPU).
     narrow: the transposed kernel (``S^T = kv @ q^T``, ``O^T = V^T @ P^T``: the heads are the MMA's N), one
-      program for all heads; its matrix work scales with Hq rounded up to 8 instead of 64. Hq <= 32, bf16 cache
-      (with an fp8 cache it hangs in interpret mode: README.md, "The narrow kernel").
+      program for all heads; its matrix work scales with Hq rounded up to 8 instead of 64. Hq <= 32 with a bf16
+      cache, Hq <= 16 with an fp8 one (``narrow_applies``).
     smem_operands: the interpret-safe variant (see README.md); None = ``interpret``.
 
   Returns:
