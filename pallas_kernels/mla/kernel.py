@@ -330,13 +330,15 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
       slot = lax.rem(i, STAGES)
       phases.start("mem_slot_wait")
       pl.when(i >= STAGES)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
-      phases.start("mem_convert")
+      phases.start("mem_scale_wait")
       plgpu.barrier_wait(scale_bar.at[slot])
       s_c, s_pe = row_scales(piece_scales.at[slot])
       page_start = (first_page + i) * PAGE_SIZE
       for p in range(PIECES):
         staged = lax.rem(i * PIECES + p, PIECE_SLOTS)
+        phases.start("mem_piece_wait")
         plgpu.barrier_wait(piece_bar.at[staged])
+        phases.start("mem_convert")
         for k in range(PIECE_CHUNKS):
           c = p * PIECE_CHUNKS + k
           dequantize_chunk(pieces.at[staged, :, pl.ds(k * FP8_CHUNK, FP8_CHUNK)],
