@@ -41,6 +41,7 @@ ROW_WORDS = cache_format.row_width(DIM, cache_format.FP8) // 4
 SCALE_WORDS = 8
 SCALE_WORD0 = ROW_WORDS - SCALE_WORDS
 SCALE_COLS = (DIM // 4 - SCALE_WORD0, DIM // 4 + 1 - SCALE_WORD0)
+TOKEN_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # a per-token vector of a [64, *] page tile
 # fp8 cache, narrow kernel: the memory warpgroup loads each page as three column pieces (three 64-column chunks
 # each) into a four-slot staging ring, and converts each piece into the page's bf16 ring slot as soon as it lands,
 # so about four pieces are in flight while it converts.
@@ -69,7 +70,7 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     (raw, scales, kv_tile), p_ring, o_stage = ring
   elif convert:
     (words_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_smem, row_smem, lse_smem, q_bar, kv_bar,
-     consumed_bar, p_ready_bar, p_free_bar, pieces, piece_scales, piece_bar, scale_bar) = refs
+     consumed_bar, p_ready_bar, p_free_bar, pieces, piece_scales, piece_bar, scale_bar, ring_scales) = refs
     kv_smem, o_stage = ring
   else:
     (table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_smem, row_smem, lse_smem, q_bar, kv_bar, consumed_bar,
@@ -211,7 +212,7 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     phases.end()
 
     def page_step(i, carry):
-      acc, m, l = carry
+      acc, m, l, v_scale = carry if convert else (*carry, None)
       phases.start("wg0_acquire")
       tile = acquire(i, 0)
       page_start = (first_page + i) * PAGE_SIZE
@@ -224,10 +225,24 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
           plgpu.wgmma(acc_ref, q_smem, tile.T)
         return acc_ref[...]
 
+      def qk_parts(latent_ref, rope_ref):
+        """fp8, narrow: the unscaled latent and rope parts of ``S^T``, each to be scaled per token."""
+        for acc_ref, part in ((latent_ref, pl.ds(0, LATENT_DIM)), (rope_ref, pl.ds(LATENT_DIM, ROPE_DIM))):
+          plgpu.wgmma(acc_ref, tile.at[:, part], q_smem.at[:, part].T)
+        return latent_ref[...], rope_ref[...]
+
       shape = (PAGE_SIZE, rows) if narrow else (rows, PAGE_SIZE)
-      s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32)) * (scale * LOG2E)
       token = plgpu.broadcasted_iota(jnp.int32, shape, token_axis, layout=plgpu.Layout.WGMMA)
-      s = jnp.where(token < seq_len - page_start, s, -jnp.inf)
+      valid = token < seq_len - page_start
+      if convert:
+        slot = lax.rem(i, STAGES)
+        s_c, s_pe = (lax.broadcast_in_dim(plgpu.load(ring_scales.at[slot, k], layout=TOKEN_LAYOUT), shape, (0,))
+                     for k in (0, 1))
+        s_latent, s_rope = pl.run_scoped(qk_parts, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+        s = (s_latent * s_c + s_rope * s_pe) * (scale * LOG2E)
+      else:
+        s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32)) * (scale * LOG2E)
+      s = jnp.where(valid, s, -jnp.inf)
       m_new = jnp.maximum(m, s.max(axis=token_axis))
       alpha = jnp.exp2(m - m_new)
       p = jnp.exp2(s - along_heads(m_new, s.shape))
@@ -240,6 +255,14 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
         plgpu.barrier_wait(p_free_bar)  # warpgroup 1 is done with the previous page's P and alpha
 
       p_ref = p_tile(i)
+      if convert:
+        # The latent scales enter P @ V through P, relative to the page's largest (so P stays in [0, 1], clear of
+        # f16's subnormals); the accumulator is kept in units of the current page's largest scale, hence alpha's
+        # extra factor. The rows past seq_len are 0 (their scale words may be anything); a NaN scale propagates.
+        page_scale = jnp.where(valid, s_c, 0.0).max(axis=token_axis)
+        p = jnp.where(valid, p * (s_c / along_heads(page_scale, shape)), 0.0)
+        alpha = alpha * (v_scale / page_scale)
+        v_scale = page_scale
       (p_ref.T if narrow else p_ref)[...] = p.astype(p_ref.dtype)
       row_smem[...] = alpha
       if not fp8:
@@ -250,12 +273,16 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
       acc = accumulate(acc, alpha, tile, cols, p_ref)
       done(i)
       phases.end()
-      return acc, m_new, l
+      return (acc, m_new, l, v_scale) if convert else (acc, m_new, l)
 
     acc = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
     m = plgpu.layout_cast(jnp.full((rows,), INIT_MAX, jnp.float32), head_layout)
     l = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), head_layout)
-    acc, m, l = lax.fori_loop(0, num_pages, page_step, (acc, m, l))
+    if convert:  # the accumulator's unit (see page_step)
+      ones = plgpu.layout_cast(jnp.ones((rows,), jnp.float32), head_layout)
+      acc, m, l, v_scale = lax.fori_loop(0, num_pages, page_step, (acc, m, l, ones))
+    else:
+      acc, m, l = lax.fori_loop(0, num_pages, page_step, (acc, m, l))
 
     @pl.when(num_pages > 0)
     def _():
@@ -267,6 +294,8 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     l = jnp.where(l == 0, jnp.where(num_pages > 0, jnp.nan, 0.0), l)
     empty = l == 0
     inv_l = jnp.where(empty, 0.0, 1.0 / l)
+    if convert:
+      inv_l = inv_l * v_scale
     row_smem[...] = inv_l
     lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l)) * LN2)
     plgpu.commit_smem()
@@ -318,9 +347,20 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
       plgpu.copy_gmem_to_smem(words_ref.at[page, :, pl.ds(SCALE_WORD0, SCALE_WORDS)], piece_scales.at[s],
                               scale_bar.at[s])
 
+  def convert_chunk(src, dst, page_start, masked: bool):
+    """fp8, narrow: chunk ``[64, 64]`` e4m3 at ``src`` into ``dst`` as f16 (exact, one instruction per two
+    values), unscaled; ``masked`` (a sequence's last page) zeroes the rows past ``seq_len``, so that ``P @ V``
+    is NaN-safe there."""
+    x = plgpu.load(src, layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float16)
+    if masked:
+      token = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, FP8_CHUNK), 0, layout=plgpu.Layout.WGMMA)
+      x = jnp.where(token < seq_len - page_start, x, 0.0).astype(jnp.float16)
+    dst[...] = x
+
   def convert_pages(phases):
-    """fp8, narrow: the memory warpgroup dequantises each page piece by piece into its bf16 ring slot (the rows
-    past ``seq_len`` as 0) and reloads a staging slot as soon as its piece is converted."""
+    """fp8, narrow: the memory warpgroup converts each page piece by piece into its f16 ring slot, puts the
+    page's two per-token scale vectors beside it (the compute warpgroups apply them), and reloads a staging
+    slot as soon as its piece is converted."""
     for h in range(PIECE_SLOTS):
       i, p = divmod(h, PIECES)
       pl.when(i < num_pages)(functools.partial(issue_piece, i, p))
@@ -332,8 +372,10 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
       pl.when(i >= STAGES)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
       phases.start("mem_scale_wait")
       plgpu.barrier_wait(scale_bar.at[slot])
-      s_c, s_pe = row_scales(piece_scales.at[slot])
+      for k, scales_k in enumerate(row_scales(piece_scales.at[slot])):
+        ring_scales.at[slot, k][...] = scales_k
       page_start = (first_page + i) * PAGE_SIZE
+      last = page_start + PAGE_SIZE > seq_len
       for p in range(PIECES):
         staged = lax.rem(i * PIECES + p, PIECE_SLOTS)
         phases.start("mem_piece_wait")
@@ -341,9 +383,11 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
         phases.start("mem_convert")
         for k in range(PIECE_CHUNKS):
           c = p * PIECE_CHUNKS + k
-          dequantize_chunk(pieces.at[staged, :, pl.ds(k * FP8_CHUNK, FP8_CHUNK)],
-                           kv_smem.at[slot, :, pl.ds(c * FP8_CHUNK, FP8_CHUNK)], c, s_c, s_pe, page_start)
-        # Every thread has read the piece (its slot may be reloaded) and its bf16 chunks are visible to wgmma.
+          chunk = functools.partial(convert_chunk, pieces.at[staged, :, pl.ds(k * FP8_CHUNK, FP8_CHUNK)],
+                                    kv_smem.at[slot, :, pl.ds(c * FP8_CHUNK, FP8_CHUNK)], page_start)
+          pl.when(last)(functools.partial(chunk, True))
+          pl.when(jnp.logical_not(last))(functools.partial(chunk, False))
+        # Every thread has read the piece (its slot may be reloaded) and its f16 chunks are visible to wgmma.
         plgpu.commit_smem()
         pages_on, p_next = divmod(p + PIECE_SLOTS, PIECES)  # the piece PIECE_SLOTS on takes the same slot
         pl.when(i + pages_on < num_pages)(functools.partial(issue_piece, i + pages_on, p_next))
@@ -390,7 +434,10 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
   head_blocks = util.cdiv(num_heads, rows)
   q_pad = jnp.pad(q_abs, ((0, 0), (0, head_blocks * rows - num_heads), (0, 0)))
   fp8 = cache_format.is_fp8(kv_cache.dtype)
-  tile_dtype = jnp.bfloat16 if fp8 else kv_cache.dtype
+  # fp8, narrow: the products run in f16 (e4m3 -> f16 is exact; the scales are applied to S and to P).
+  tile_dtype = (jnp.float16 if narrow else jnp.bfloat16) if fp8 else kv_cache.dtype
+  if fp8 and narrow:
+    q_pad = q_pad.astype(jnp.float16)
   tile = lambda shape, dtype: plgpu.SMEM(shape, dtype, transforms=util.smem_transforms(dtype, shape[-1]))
   o_stage = tile((COMPUTE_WGS,) + ((COLS, rows) if narrow else (rows, COLS)), partial_dtype)
   inputs, extra = (q_pad, kv_cache), ()
@@ -403,11 +450,12 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
   fp8_slots = lambda n, cols: plgpu.SMEM((n, PAGE_SIZE, cols), kv_cache.dtype,
                                          transforms=(plgpu.TilingTransform((8, FP8_TILE_COLS)),))
   if fp8 and narrow:
-    # A bf16 ring as for a bf16 cache, which the memory warpgroup fills from the fp8 staging slots.
+    # An f16 ring, which the memory warpgroup fills from the fp8 staging slots, and the per-token scales beside it.
     ring = plgpu.RefUnion(tile((STAGES, PAGE_SIZE, DIM), tile_dtype), o_stage)
     kv_bar = plgpu.Barrier(num_barriers=STAGES)
     extra = (fp8_slots(PIECE_SLOTS, PIECE_COLS), plgpu.SMEM((STAGES, PAGE_SIZE, SCALE_WORDS), jnp.float32),
-             plgpu.Barrier(num_barriers=PIECE_SLOTS), plgpu.Barrier(num_barriers=STAGES))
+             plgpu.Barrier(num_barriers=PIECE_SLOTS), plgpu.Barrier(num_barriers=STAGES),
+             plgpu.SMEM((STAGES, 2, PAGE_SIZE), jnp.float32))
   elif fp8:
     # Three groups from the same offset: the fp8 ring (then the scales and the bf16 tile); P of each page in the
     # first rows of its ring slot (a slot's values are in the tile before P is written, and the slot is reloaded
@@ -436,7 +484,7 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
       scratch_types=(
-          tile((rows, dim), q_abs.dtype),
+          tile((rows, dim), q_pad.dtype),
           ring,
           *p_smem,
           plgpu.SMEM((rows,), jnp.float32),
