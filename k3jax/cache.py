@@ -5,7 +5,7 @@ Layout (one ``ModelCache`` for the whole model; ``N`` sequences, ``P`` pool slot
 * per KDA layer, ``KdaState``: ``recurrent [P, H, V, K]`` in ``state_dtype`` (V-first, as the KDA ops) and
   ``conv_q`` / ``conv_k`` / ``conv_v [P, W - 1, H*K]`` in ``conv_dtype`` (the last ``W - 1`` pre-conv rows).
 * per MLA layer, ``kv [pages, 64, R + dr]`` in ``cache_dtype``: row = ``[kv_a_layernorm(c) | k_pe]``
-  (``[pages, 64, R + dr + 16]`` for an fp8 cache: the row's scales follow its values, see
+  (``[pages, 64, R + dr + 64]`` for an fp8 cache: the row's scales follow its values, see
   ``pallas_kernels.mla.cache_format``).
 * shared: ``state_indices [N]`` (pool slot of each sequence; -1: an idle row that decode skips),
   ``block_table [N, max_pages]`` (page ids of each sequence), ``seq_lens [N]`` (tokens cached per sequence).

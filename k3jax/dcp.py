@@ -206,7 +206,7 @@ def dcp_write(kv_cache: jax.Array, block_table: jax.Array, seq_ids: jax.Array, p
     seq_ids: ``[T]`` int32 sequence (block-table row) of each token; -1 skips the token.
     positions: ``[T]`` int32 global position of each token in its sequence; -1 skips the token.
     kv_new: ``[T, Dc + Dr]`` latents (``[c_kv | k_pe]``), cast to the cache dtype; for an fp8 cache, its rows
-      ``[T, Dc + Dr + 16]`` from ``cache_format.quantize_rows``.
+      ``[T, Dc + Dr + 64]`` from ``cache_format.quantize_rows``.
     mesh: the mesh.
 
   Returns:

@@ -61,7 +61,8 @@ def test_row_format(std):
   x = _rows(rng, (4, 7), std)
   x[..., LATENT_DIM:] *= 25.0  # the rope part at another magnitude gets its own scale
   q = np.asarray(cache_format.quantize_rows(jnp.asarray(x, jnp.float32), FP8, LATENT_DIM))
-  assert q.shape == (4, 7, cache_format.row_width(DIM, FP8)) == (4, 7, DIM + 16) and q.dtype == ml_dtypes.float8_e4m3fn
+  assert q.shape == (4, 7, cache_format.row_width(DIM, FP8)) == (4, 7, DIM + cache_format.TAIL)
+  assert q.dtype == ml_dtypes.float8_e4m3fn
   tail = np.ascontiguousarray(q[..., DIM:]).view(np.uint8)
   assert (tail[..., 8:] == 0).all()
   scales = tail[..., :8].copy().view("<f4")
@@ -183,7 +184,7 @@ def test_kernels_refuse_a_non_bf16_query(impl):
 def test_fp8_kernel_lowers_for_cuda(num_heads, narrow, partial_dtype):
   """Mosaic GPU lowering, layout inference and the shared-memory check of the fp8 variant, on the CPU."""
   shapes = (jax.ShapeDtypeStruct((2, num_heads, DIM), jnp.bfloat16),
-            jax.ShapeDtypeStruct((9, PAGE_SIZE, DIM + 16), FP8),
+            jax.ShapeDtypeStruct((9, PAGE_SIZE, DIM + cache_format.TAIL), FP8),
             jax.ShapeDtypeStruct((2, 4), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32))
   f = functools.partial(mla_kernel.mla_decode_partials_mosaic, scale=K3_MLA_SCALE, num_splits=2,
                         partial_dtype=partial_dtype, interpret=False, narrow=narrow, smem_operands=False)
@@ -201,10 +202,10 @@ def test_fp8_cache_of_the_wrong_width_is_refused():
 def test_config_takes_an_fp8_cache():
   assert tiny(cache_dtype=FP8, impl="pallas").cache_dtype == FP8
   cfg = tiny(cache_dtype=FP8, impl="xla")
-  assert cfg.cache_dtype == FP8 and cfg.cache_row_width == DIM + 16
+  assert cfg.cache_dtype == FP8 and cfg.cache_row_width == DIM + cache_format.TAIL
   assert tiny(impl="xla").cache_row_width == DIM
   cache = init_cache(cfg, 2, 100)
-  assert all(kv.shape[1:] == (PAGE_SIZE, DIM + 16) and kv.dtype == FP8 for kv in cache.mla)
+  assert all(kv.shape[1:] == (PAGE_SIZE, DIM + cache_format.TAIL) and kv.dtype == FP8 for kv in cache.mla)
   with pytest.raises(ValueError, match="cache_dtype"):
     tiny(cache_dtype=jnp.float8_e5m2, impl="xla")
 
@@ -249,10 +250,11 @@ def test_model_with_an_fp8_cache():
 
 
 def test_cache_writes_take_fp8_rows_exactly_for_an_fp8_cache():
-  fp8_cache, f32_cache = jnp.zeros((2, PAGE_SIZE, DIM + 16), FP8), jnp.zeros((2, PAGE_SIZE, DIM), jnp.float32)
+  fp8_cache = jnp.zeros((2, PAGE_SIZE, DIM + cache_format.TAIL), FP8)
+  f32_cache = jnp.zeros((2, PAGE_SIZE, DIM), jnp.float32)
   table, seq, pos = jnp.zeros((1, 2), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32)
   rows = jnp.ones((1, DIM), jnp.float32)
-  for cache, new in ((fp8_cache, jnp.ones((1, DIM + 16), jnp.float32)),
+  for cache, new in ((fp8_cache, jnp.ones((1, DIM + cache_format.TAIL), jnp.float32)),
                      (f32_cache, cache_format.quantize_rows(rows, FP8, LATENT_DIM))):
     with pytest.raises(ValueError, match="kv_new must be fp8 rows"):
       ops.mesh_write_rows(cache, new, table, seq, pos)

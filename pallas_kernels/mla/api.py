@@ -82,7 +82,7 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
   Args:
     q_abs: ``[B, Hq, Dc + Dr]`` (576 = 512 latent + 64 rope), absorbed queries, f32/bf16/f16
       (the kernels need bf16).
-    kv_cache: ``[pages, 64, Dc + Dr]`` paged latent cache, bf16, or fp8 rows ``[pages, 64, Dc + Dr + 16]``
+    kv_cache: ``[pages, 64, Dc + Dr]`` paged latent cache, bf16, or fp8 rows ``[pages, 64, Dc + Dr + 64]``
       ``float8_e4m3fn`` with per-token scales (``cache_format``); the xla path also takes f32/f16. V is its
       first ``Dc`` columns. Rows past a sequence's length and unused pages may hold anything (NaN too).
     block_table: ``[B, max_pages]`` int32 page ids of each sequence; ids of unused pages are ignored.

@@ -3,9 +3,9 @@
 A 16/32-bit cache row is ``[c (Dc) | k_pe (Dr)]`` in the cache dtype. An fp8 row (``float8_e4m3fn``) keeps the
 same ``Dc + Dr`` values divided by a scale, then the scales themselves:
 
-    [ c / s_c (Dc x e4m3) | k_pe / s_pe (Dr x e4m3) | s_c (f32, 4 bytes) | s_pe (f32, 4 bytes) | 8 zero bytes ]
+    [ c / s_c (Dc x e4m3) | k_pe / s_pe (Dr x e4m3) | s_c (f32, 4 bytes) | s_pe (f32, 4 bytes) | 56 zero bytes ]
 
-so its width is ``Dc + Dr + 16`` e4m3 elements (``row_width``): 592 for K3's 576. Why per token and in the row:
+so its width is ``Dc + Dr + 64`` e4m3 elements (``row_width``): 640 for K3's 576. Why per token and in the row:
 
 * A token's scales are fixed when its row is written (``s = amax / 448`` over its latent part and over its rope
   part), so nothing is calibrated and no write ever rescales older rows; a per-tensor scale would need a
@@ -15,7 +15,9 @@ so its width is ``Dc + Dr + 16`` e4m3 elements (``row_width``): 592 for K3's 576
   little.
 * Kept in the row, the scales travel with it: every path that moves cache rows (the paged and DCP writes and
   reads, page sharing between requests) moves them unchanged, and a kernel reads them with the row's values.
-  The 16-byte tail keeps rows a multiple of 16 bytes (TMA's row pitch); it costs 2.7% of the row.
+  The 64-byte tail keeps rows a multiple of 64 bytes: a kernel's TMA copies them in 64-byte swizzled tiles
+  (16-byte tiles, all that 592-byte rows allow, load no faster than a bf16 row of twice the bytes). It costs 10%
+  of the row.
 
 Reading a row back gives ``value * scale`` rounded to bf16 (``dequantize_rows``): the values the MLA decode
 kernel's bf16 matmuls read, so every reader (the kernel, the XLA path, the model's prefill read-back) attends to
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
-TAIL = 16  # e4m3 elements (bytes) after the values: two f32 scales and 8 zero bytes
+TAIL = 64  # e4m3 elements (bytes) after the values: two f32 scales and 56 zero bytes
 CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, FP8)
 
 
@@ -51,7 +53,7 @@ def _scale(part: jax.Array) -> jax.Array:
 def quantize_rows(rows: jax.Array, dtype, latent_dim: int) -> jax.Array:
   """Cache rows in ``dtype`` from latent rows ``[..., Dc + Dr]`` (any float dtype).
 
-  Returns ``rows.astype(dtype)`` for a 16/32-bit ``dtype``; for fp8, ``[..., Dc + Dr + 16]`` e4m3 rows as in the
+  Returns ``rows.astype(dtype)`` for a 16/32-bit ``dtype``; for fp8, ``[..., Dc + Dr + 64]`` e4m3 rows as in the
   module docstring (scales from the f32 values, each part scaled to at most 448 in magnitude).
   """
   if not is_fp8(dtype):
@@ -69,7 +71,7 @@ def quantize_rows(rows: jax.Array, dtype, latent_dim: int) -> jax.Array:
 
 def dequantize_rows(rows: jax.Array, latent_dim: int) -> jax.Array:
   """Latent rows ``[..., Dc + Dr]`` of cache rows: the rows themselves for a 16/32-bit cache, ``value * scale``
-  (in f32, then rounded to bf16) for an fp8 cache (``[..., Dc + Dr + 16]``)."""
+  (in f32, then rounded to bf16) for an fp8 cache (``[..., Dc + Dr + 64]``)."""
   if not is_fp8(rows.dtype):
     return rows
   dim = rows.shape[-1] - TAIL

@@ -31,16 +31,16 @@ FP8_NARROW_MAX_HEADS = 16  # with an fp8 cache: its staging ring for the fp8 pie
 LOG2E = util.LOG2E
 LN2 = math.log(2.0)
 INIT_MAX = -1e30  # finite: exp2(INIT_MAX - m) is 0 and never (-inf) - (-inf)
-# fp8 cache (cache_format): the values of a page land in an fp8 ring slot, its rows' scales as f32 words (the
-# last 8 words of each 148-word row: the scales are words 144 and 145, columns 4 and 5 of that box), and both
+# fp8 cache (cache_format): the values of a page land in an fp8 ring slot, its rows' scales as f32 words (8 words
+# from word 144 of each 160-word row: the scales are its columns 0 and 1), and both
 # compute warpgroups dequantise the slot into one bf16 tile, 64 columns at a time (latent chunks 0-7, rope 8).
 FP8_CHUNK = 64
-FP8_TILE_COLS = 16  # divides the 592-byte rows of the source
+FP8_TILE_COLS = 64  # divides the 640-byte rows of the source; 64-byte swizzled tiles
 FP8_CHUNKS = (tuple(range(5)), tuple(range(5, DIM // FP8_CHUNK)))
 ROW_WORDS = cache_format.row_width(DIM, cache_format.FP8) // 4
 SCALE_WORDS = 8
-SCALE_WORD0 = ROW_WORDS - SCALE_WORDS
-SCALE_COLS = (DIM // 4 - SCALE_WORD0, DIM // 4 + 1 - SCALE_WORD0)
+SCALE_WORD0 = DIM // 4  # the words right after the values
+SCALE_COLS = (0, 1)
 TOKEN_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # a per-token vector of a [64, *] page tile
 # fp8 cache, narrow kernel: the memory warpgroup loads each page as three column pieces (three 64-column chunks
 # each) into a four-slot staging ring, and converts each piece into the page's bf16 ring slot as soon as it lands,
@@ -446,9 +446,11 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
     # The same bytes as f32 words (a bitcast, no copy): the memory warpgroup loads the scales from there.
     words = lax.bitcast_convert_type(kv_cache.reshape(kv_cache.shape[:2] + (ROW_WORDS, 4)), jnp.float32)
     inputs += (words,)
-  # The fp8 slots are tiled (8, 16): a tiled TMA needs the rows of the source (592 here) in whole tiles.
+  # The fp8 slots are tiled (8, 64) with the 64-byte swizzle: a tiled TMA needs the rows of the source (640
+  # bytes) in whole tiles.
   fp8_slots = lambda n, cols: plgpu.SMEM((n, PAGE_SIZE, cols), kv_cache.dtype,
-                                         transforms=(plgpu.TilingTransform((8, FP8_TILE_COLS)),))
+                                         transforms=(plgpu.TilingTransform((8, FP8_TILE_COLS)),
+                                                     plgpu.SwizzleTransform(FP8_TILE_COLS)))
   if fp8 and narrow:
     # An f16 ring, which the memory warpgroup fills from the fp8 staging slots, and the per-token scales beside it.
     ring = plgpu.RefUnion(tile((STAGES, PAGE_SIZE, DIM), tile_dtype), o_stage)
@@ -514,7 +516,7 @@ def mla_decode_partials_mosaic(q_abs: jax.Array, kv_cache: jax.Array, block_tabl
 
   Args:
     q_abs: ``[B, Hq, 576]`` bf16 (Hq is padded to a multiple of 64 rows inside, narrow: of 8; any Hq >= 1).
-    kv_cache: ``[pages, 64, 576]`` bf16, or ``[pages, 64, 592]`` fp8 rows with their scales (``cache_format``:
+    kv_cache: ``[pages, 64, 576]`` bf16, or ``[pages, 64, 640]`` fp8 rows with their scales (``cache_format``:
       dequantised on chip into a bf16 tile). block_table: ``[B, max_pages]`` int32. seq_lens: ``[B]`` int32.
       Already validated by ``mla_decode``.
     scale: softmax scale. num_splits: splits S (each ``pages_per_split`` pages). partial_dtype: bf16/f32.

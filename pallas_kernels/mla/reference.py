@@ -124,7 +124,7 @@ def mla_decode_reference(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax
   Args:
     q_abs: ``[B, Hq, Dc + Dr]`` absorbed queries (f32/bf16/f16).
     kv_cache: ``[pages, page_size, Dc + Dr]`` paged latent cache (any page size here; the public op needs 64),
-      f32/bf16/f16, or ``[pages, page_size, Dc + Dr + 16]`` ``float8_e4m3fn`` rows with their scales
+      f32/bf16/f16, or ``[pages, page_size, Dc + Dr + 64]`` ``float8_e4m3fn`` rows with their scales
       (``cache_format``).
     block_table: ``[B, max_pages]`` int32 page ids; entries past a sequence's last page are ignored.
     seq_lens: ``[B]`` int32 tokens per sequence, in ``[0, max_pages * page_size]``.
