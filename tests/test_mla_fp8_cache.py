@@ -40,15 +40,15 @@ FP8_VS_UNQUANTISED_REL_L2 = 0.1
 KERNEL_O_REL_L2 = {jnp.float32: 6e-3, jnp.bfloat16: 1e-2}
 
 
-def np_decode_rows(rows: np.ndarray) -> np.ndarray:
+def np_decode_rows(rows: np.ndarray, rounded: bool = True) -> np.ndarray:
   """float64 latent rows of fp8 cache rows, from the documented layout (independent of ``cache_format``):
-  ``value * scale`` in f32, rounded to bf16."""
+  ``value * scale`` in f32, rounded to bf16 (``rounded``) or exact (what the narrow kernel's f16 products read)."""
   values = rows[..., :DIM].astype(np.float32)
   tail = np.ascontiguousarray(rows[..., DIM:DIM + 8]).view(np.uint8)
   scales = tail.reshape(tail.shape[:-1] + (2, 4)).copy().view("<f4")[..., 0]
   x = np.concatenate([values[..., :LATENT_DIM] * scales[..., :1], values[..., LATENT_DIM:] * scales[..., 1:]],
                      axis=-1)
-  return x.astype(ml_dtypes.bfloat16).astype(np.float64)
+  return x.astype(ml_dtypes.bfloat16).astype(np.float64) if rounded else x.astype(np.float64)
 
 
 def _rows(rng, shape, std=1.0):
@@ -146,16 +146,19 @@ def test_mla_decode_over_fp8_rows_is_attention_over_their_values(partial_dtype, 
 @pytest.mark.parametrize("partial_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("heads", [72, 11])
 def test_kernel_over_fp8_rows_is_attention_over_their_values(kernel_impl, partial_dtype, heads):
-  """The kernel dequantises each page on chip into the bf16 tile its matmuls read (72 heads: the 64-row tiles'
-  compute warpgroups; 11: the narrow kernel's memory warpgroup, piece by piece): the oracle of the held values
-  within the bf16 cache's tolerances, and the XLA path within those twice."""
+  """72 heads: the 64-row tiles' compute warpgroups dequantise each page on chip into the bf16 tile their matmuls
+  read. 11: the narrow kernel's memory warpgroup converts each page to f16 unscaled, and the scales enter S and
+  P, so its products read the exact ``value * scale``, not its bf16 rounding. Each against the oracle of the
+  values it reads within the bf16 cache's tolerances, and against the XLA path within those twice."""
   rng = np.random.default_rng(3)
   q, rows, table, lens = _decode_case(rng, [0, 1, 63, 65, 4 * PAGE_SIZE - 7], heads=heads, peaky=True)
   cache = cache_format.quantize_rows(jnp.asarray(rows, jnp.float32), FP8, LATENT_DIM)
   q_bf16 = jnp.asarray(q, jnp.bfloat16)
-  o_ref, lse_ref = mla_decode_oracle(q_bf16, np_decode_rows(np.asarray(cache)), table, lens, scale=K3_MLA_SCALE)
+  refs = {rounded: mla_decode_oracle(q_bf16, np_decode_rows(np.asarray(cache), rounded), table, lens,
+                                    scale=K3_MLA_SCALE) for rounded in (True, False)}
   outs = {}
   for impl in ("xla", kernel_impl):
+    o_ref, lse_ref = refs[impl == "xla" or not mla_kernel.narrow_applies(heads, FP8)]
     o, lse = mla_decode(q_bf16, cache, jnp.asarray(table), jnp.asarray(lens), out_dtype=jnp.float32,
                         config=MlaDecodeConfig(scale=K3_MLA_SCALE, partial_dtype=partial_dtype, impl=impl,
                                                tuning=MlaDecodeTuning(num_splits=2)))
