@@ -19,11 +19,12 @@ so its width is ``Dc + Dr + 64`` e4m3 elements (``row_width``): 640 for K3's 576
   (16-byte tiles, all that 592-byte rows allow, load no faster than a bf16 row of twice the bytes). It costs 10%
   of the row.
 
-Reading a row back gives ``value * scale`` rounded to bf16 (``dequantize_rows``): the values the MLA decode
-kernel's bf16 matmuls read, so every reader (the kernel, the XLA path, the model's prefill read-back) attends to
-the same keys; that rounding (2^-9 relative) is small next to e4m3's own (2^-4). A part with a non-finite value has a
-non-finite scale and reads back all NaN (or inf), so a NaN written still reaches the heads that attend to it; an
-all-zero part gets scale 1 (not 0, which would read back 0 / 0).
+Reading a row back gives ``value * scale`` rounded to bf16 (``dequantize_rows``): the values that the XLA path,
+the model's prefill read-back and the MLA decode kernel's 64-row tiles read. The narrow kernel (at most 16
+heads) multiplies the unscaled values in f16 and applies the scales to the logits and to P, so it attends to the
+exact ``value * scale``. That bf16 rounding (2^-9 relative) is small next to e4m3's own (2^-4). A part with a
+non-finite value has a non-finite scale and reads back all NaN (or inf), so a NaN written still reaches the
+heads that attend to it; an all-zero part gets scale 1 (not 0, which would read back 0 / 0).
 """
 
 import jax

@@ -3,9 +3,12 @@
 One program per (split, sequence, 64-row head tile), head tiles fastest, or with ``narrow`` per (split,
 sequence) for all heads with the products transposed (the heads as the MMA's N); a memory warpgroup streams
 the sequence's pages by TMA into a two-slot ring that two compute warpgroups share (QK and the softmax on one,
-``P @ V`` split by output columns over both). An fp8 cache (``cache_format``) is dequantised on chip into bf16:
-with 64-row tiles by the compute warpgroups into one tile, in the narrow kernel by the memory warpgroup into the
-ring. See README.md for the derivation, the NaN rules, the fp8 pages and the SMEM budget.
+``P @ V`` split by output columns over both). An fp8 cache (``cache_format``) is read on chip: with 64-row
+tiles the compute warpgroups dequantise each page into one bf16 tile; in the narrow kernel the memory warpgroup
+converts it to f16 unscaled into the ring (e4m3 -> f16 is exact and one instruction per two values), q is
+taken in f16 (a q beyond f16's 65,504 gives inf, so NaN outputs), and the compute warpgroups apply the
+per-token scales to the logits and to P. See README.md for the derivation, the NaN rules, the fp8 pages and the
+SMEM budget.
 """
 
 import functools
