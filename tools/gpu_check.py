@@ -127,8 +127,9 @@ def _sharded_block(_: str, path: pathlib.Path) -> str:
 PY = sys.executable
 # The test sections are bound by kernel compiles on the host's cores: pytest-xdist workers share the GPU,
 # each allocating on demand (JAX would otherwise take 75% of the GPU's memory per process). The benchmarks
-# run alone, one process at a time.
-PYTEST = (PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "8")
+# run alone, one process at a time. Each test's verdict is logged as it ends (-v), so that a section cut short
+# by its time limit still names its failures; -rf repeats them with their reasons at the end.
+PYTEST = (PY, "-m", "pytest", "-v", "-rf", "-p", "no:cacheprovider", "-n", "8")
 SHARED_GPU = (("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),)
 SECTIONS = (
     Section("gpu-tests", PYTEST + ("-m", "gpu"), 420, _pytest_summary, SHARED_GPU),
