@@ -23,6 +23,11 @@ def test_time_out_and_broken_summary_fail_the_section(tmp_path):
   slow = gpu_check.Section("slow", (sys.executable, "-c", "import time; time.sleep(30)"), 1,
                            gpu_check._pytest_summary)
   assert not gpu_check.run_section(slow, tmp_path).ok
+  # Cut short before pytest's closing line: the verdicts that -v logged, the failed tests by name.
+  log = "\n".join(["[gw0] [ 1%] PASSED tests/test_a.py::test_one ", "[gw1] [ 2%] FAILED tests/test_b.py::test_two[9] ",
+                   "[gw0] [ 3%] ERROR tests/test_c.py::test_three "])
+  assert gpu_check._pytest_summary(log, tmp_path) == ("no pytest summary line; 1 passed, 2 failed or errors so far"
+                                                      "\n  tests/test_b.py::test_two[9]\n  tests/test_c.py::test_three")
   # A benchmark that exits 0 but writes no JSON has no numbers to quote: failed.
   empty = gpu_check.Section("empty", (sys.executable, "-c", "pass"), 60, gpu_check._kda_decode)
   res = gpu_check.run_section(empty, tmp_path)

@@ -48,9 +48,15 @@ class Section:
 
 
 def _pytest_summary(log: str, _: pathlib.Path) -> str:
-  """pytest's closing line (``41 passed, 2 skipped in 332.10s``)."""
+  """pytest's closing line (``41 passed, 2 skipped in 332.10s``); for a run cut short before it, the verdicts
+  that ``-v`` logged so far, naming the failed tests."""
   lines = [ln.strip("= ") for ln in log.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
-  return lines[-1] if lines else "no pytest summary line"
+  if lines:
+    return lines[-1]
+  verdicts = [m.groups() for m in re.finditer(r"\b(PASSED|FAILED|ERROR) (\S+)", log)]
+  failed = [test for verdict, test in verdicts if verdict != "PASSED"]
+  return (f"no pytest summary line; {len(verdicts) - len(failed)} passed, {len(failed)} failed or errors so far"
+          + "".join(f"\n  {test}" for test in failed))
 
 
 def _demo_summary(log: str, _: pathlib.Path) -> str:
