@@ -14,7 +14,10 @@ jax.config.update("jax_num_cpu_devices", 9)
 jax.config.update("jax_default_matmul_precision", "highest")
 # The XLA paths round to bf16 where the op says so (a bf16 state carried from token to token, bf16 partials):
 # the tests check those roundings. XLA on a GPU may keep f32 inside a fusion instead ("excess precision").
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_allow_excess_precision=false"]).strip()
+# No autotuning of XLA's GPU matmuls and fusions: the tests check numerics, not speed, and on the one lent GPU
+# every compile counts against the device time.
+XLA_TEST_FLAGS = ("--xla_allow_excess_precision=false", "--xla_gpu_autotune_level=0")
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *XLA_TEST_FLAGS]).strip()
 
 import pytest  # noqa: E402
 
