@@ -188,6 +188,8 @@ def run_torch(inputs, N: int, backend_name: str, *, budget_s: float, reps: int):
 
   backend = {"torch-flash": SDPBackend.FLASH_ATTENTION, "torch-cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
   q, k_nope, k_rope, v = (_to_torch(x) for x in inputs)
+  if q.dtype not in (torch.float16, torch.bfloat16):  # both backends; otherwise SDPA finds "no available kernel"
+    raise NotImplementedError(f"{backend_name} takes fp16/bf16 inputs, got {q.dtype}")
   T, H, _ = q.shape
   L = T // N
   to4 = lambda x: x.reshape(N, L, H, x.shape[-1]).transpose(1, 2).contiguous()

@@ -24,10 +24,12 @@ from k3jax.model import KimiK3Model
 from k3jax.steps import decode, prefill
 
 
-def _load(args) -> tuple[K3Config, KimiK3Model]:
+def _load(args, cfg: K3Config) -> tuple[K3Config, KimiK3Model]:
+  """The ``generate`` model; ``--impl`` (None: the machine's default) picks the kernel backend."""
+  impl = args.impl or cfg.impl
   if args.converted:
-    return load_converted(args.converted)
-  return checkpoint.load_hf(args.hf)
+    return load_converted(args.converted, impl=impl)
+  return checkpoint.load_hf(args.hf, config=cfg.replace(impl=impl))
 
 
 def generate_tokens(cfg: K3Config, model: KimiK3Model, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
@@ -139,6 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   gen.add_argument("--tokens", required=True, type=_parse_tokens, help="prompt token ids, e.g. 1,2,3")
   gen.add_argument("--max-new-tokens", type=_positive_int, default=16, metavar="N",
                    help="tokens to generate (default: %(default)s)")
+  gen.add_argument("--impl", choices=("pallas", "xla"), default=None,
+                   help="kernel backend (default: pallas on a Hopper GPU, xla elsewhere); the Pallas kernels "
+                        "need K3-like widths, so small test checkpoints on a GPU need xla")
   args = parser.parse_args(argv)
   flag, path = ("--converted", args.converted) if getattr(args, "converted", None) else ("--hf", args.hf)
   cfg = _read_config(flag, path)
@@ -157,9 +162,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   if bad:
     _fail(f"--tokens: token ids must be in [0, {cfg.vocab_size}) (vocab_size of {path}), got {bad[:5]}")
   with _reported(flag, path):
-    cfg, model = _load(args)
+    cfg, model = _load(args, cfg)
   t0 = time.perf_counter()
-  out = generate_tokens(cfg, model, args.tokens, args.max_new_tokens)
+  try:
+    out = generate_tokens(cfg, model, args.tokens, args.max_new_tokens)
+  except NotImplementedError as e:  # a kernel's size limit: name it and the backend without one
+    _fail(f"--impl {cfg.impl}: {e} (--impl xla runs any size)")
   print(" ".join(map(str, out)))
   print(f"{len(out)} tokens in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
   return 0

@@ -1,4 +1,8 @@
-"""Test setup: 9 CPU devices (the 9-device mesh exists only on CPUs here), markers, the `gpu` skip."""
+"""Test setup: 9 CPU devices (the 9-device mesh exists only on CPUs here), f32 matmuls at full precision and
+bf16 roundings kept on a GPU too, the `gpu` skip, and a log of failures written as they happen
+(``K3JAX_FAILURE_LOG``)."""
+
+import os
 
 import os
 
@@ -11,10 +15,31 @@ import jax  # noqa: E402
 
 # Must happen before JAX initialises its backends.
 jax.config.update("jax_num_cpu_devices", 9)
+# The f32 tests compare against float64 oracles at f32 tolerances. XLA's default f32 matmul on a GPU rounds its
+# operands to TF32 (10 mantissa bits), a speed choice of the caller and not the code under test; CPUs already
+# multiply in full f32, so this changes nothing in CI. bf16 matmuls are unaffected.
+jax.config.update("jax_default_matmul_precision", "highest")
+# The XLA paths round to bf16 where the op says so (a bf16 state carried from token to token, bf16 partials):
+# the tests check those roundings. XLA on a GPU may keep f32 inside a fusion instead ("excess precision").
+# No autotuning of XLA's GPU matmuls and fusions: the tests check numerics, not speed, and on the one lent GPU
+# every compile counts against the device time.
+XLA_TEST_FLAGS = ("--xla_allow_excess_precision=false", "--xla_gpu_autotune_level=0")
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *XLA_TEST_FLAGS]).strip()
 
 import pytest  # noqa: E402
 
 from pallas_kernels import mosaic_interpret, util  # noqa: E402
+
+FAILURE_LOG = os.environ.get("K3JAX_FAILURE_LOG")
+
+
+def pytest_runtest_logreport(report):
+  """Appends each failure's traceback to ``K3JAX_FAILURE_LOG`` when it happens: pytest prints tracebacks only
+  at the end, so a run killed by a time limit (``make gpu-check`` on a lent GPU) would otherwise lose them.
+  Under pytest-xdist the controller writes (it receives every worker's reports); workers do not."""
+  if FAILURE_LOG and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+    with open(FAILURE_LOG, "a") as f:
+      f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,7 @@
 """Shared test support (the oracles and input factories are public, in ``pallas_kernels.testing``).
 
-``fast_jit``: CPU compiles at XLA backend optimisation level 0. ``budget``: the example budget of the
+``fast_jit``: CPU compiles at XLA backend optimisation level 0. ``device_mesh``, ``needs_devices``: a mesh
+of the default backend's devices, or a skip where it has too few. ``budget``: the example budget of the
 randomized (property-based) differential tests.
 
 The randomized tests draw whole batches (lengths, slots, gates, pages) with ``hypothesis``. Their budget is
@@ -15,8 +16,10 @@ import os
 
 import jax
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, Phase, settings, strategies as st
 
+from k3jax import sharding
 from pallas_kernels import util
 
 
@@ -59,6 +62,23 @@ def decode_slots(rng: np.random.Generator, N: int, cols: int, accepted: list[int
       if padding[n] and t == accepted[n] - 1 or skipped[n][t] and t != accepted[n] - 1:
         slots[n, t] = -1
   return P, slots
+
+
+def needs_devices(n: int) -> None:
+  """Skips the calling test where the default backend has fewer than ``n`` devices.
+
+  CI runs these tests on 9 CPU devices. On a one-GPU machine a mesh would need GPUs it does not have, and a
+  mesh of CPU devices there would only repeat CI's run.
+  """
+  have = len(jax.devices())
+  if have < n:
+    pytest.skip(f"needs {n} {jax.default_backend()} devices, this machine has {have} (CI runs it on 9 CPU devices)")
+
+
+def device_mesh(n: int) -> jax.sharding.Mesh:
+  """``sharding.make_mesh(n)``, after ``needs_devices(n)``."""
+  needs_devices(n)
+  return sharding.make_mesh(n)
 
 
 def fast_jit(fn):

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
-from support import fast_jit
+from support import device_mesh, fast_jit
 
 import k3jax
 from k3jax import checkpoint as ck
@@ -512,7 +512,7 @@ def test_logits_match_numpy_hf_forward(fmt, tmp_path):
 # ---------------------------------------------------------------------------------------------- sharded
 def test_sharded_load_equals_unsharded_padded(written):
   path = written["kimi_k3", True]
-  mesh = sharding.make_mesh(9)
+  mesh = device_mesh(9)
   cfg, sharded = ck.load_hf(path, mesh=mesh, progress=False)
   assert cfg == K3
   _, whole = ck.load_hf(path, progress=False)
@@ -542,7 +542,7 @@ def test_sharded_load_reads_only_each_devices_experts(written, monkeypatch):
     return original(self, name)
 
   monkeypatch.setattr(ck._Checkpoint, "read", spy)
-  ck.load_hf(written["kimi_k3", True], mesh=sharding.make_mesh(9), progress=False)
+  ck.load_hf(written["kimi_k3", True], mesh=device_mesh(9), progress=False)
   expert = [n for n in reads if ".experts." in n]
   # Every expert tensor is read exactly once although 9 devices each receive their own block.
   assert len(expert) == len(set(expert)) == 2 * 3 * K3.num_experts * sum(map(K3.is_moe, range(6)))
@@ -710,7 +710,7 @@ def test_error_config_argument(written):
   path = written["kimi_linear", False]
   _load_error(path, r"config contradicts .* \{'hidden_size': \(128, 64\)\}", config=LINEAR.replace(hidden_size=128))
   _load_error(path, "config must be a K3Config or None, got dict", config={"hidden_size": 64})
-  mesh = jax.make_mesh((9,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = jax.make_mesh((1,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
   _load_error(path, r"mesh must have the 'model' axis .*got axes \('tp',\)", mesh=mesh)
 
 

@@ -20,22 +20,44 @@ def _generated(capsys) -> list[int]:
   return [int(t) for t in capsys.readouterr().out.split()]
 
 
+# The tiny checkpoint's widths are below the Pallas kernels' (D % 128 for the short conv): XLA on every machine.
 def test_convert_then_generate_matches_generate_from_hf(tiny_k3, tmp_path, capsys):
-  assert cli.main(["generate", "--hf", str(tiny_k3), "--tokens", "3,1,4,1,5", "--max-new-tokens", "4"]) == 0
+  assert cli.main(["generate", "--hf", str(tiny_k3), "--tokens", "3,1,4,1,5", "--max-new-tokens", "4",
+                   "--impl", "xla"]) == 0
   from_hf = _generated(capsys)
   assert cli.main(["convert", "--hf", str(tiny_k3), "--out", str(tmp_path / "conv")]) == 0
   capsys.readouterr()
   assert cli.main(["generate", "--converted", str(tmp_path / "conv"), "--tokens", "3 1 4 1 5",
-                   "--max-new-tokens", "4"]) == 0
+                   "--max-new-tokens", "4", "--impl", "xla"]) == 0
   from_converted = _generated(capsys)
   assert len(from_hf) == 4 and from_hf == from_converted
 
   # Greedy decoding is consistent with one prefill over the prompt and the generated tokens.
-  cfg, model = converted.load_converted(tmp_path / "conv")
+  cfg, model = converted.load_converted(tmp_path / "conv", impl="xla")
   seq = [3, 1, 4, 1, 5] + from_hf
   logits, _ = k3jax.prefill(model, np.asarray(seq, np.int32), np.asarray([0, len(seq)], np.int32),
                             k3jax.init_cache(cfg, 1, len(seq)))
   assert np.argmax(np.asarray(logits, np.float32)[4:8], axis=-1).tolist() == from_hf
+
+
+def test_generate_names_the_backend_of_a_kernel_size_limit(tiny_k3, capsys, monkeypatch):
+  """A kernel's NotImplementedError (a width it does not support) is one line naming ``--impl`` and the way out;
+  the model is loaded with the asked backend."""
+  seen = []
+
+  def limited(cfg, model, prompt, n):
+    seen.append((cfg.impl, model.cfg.impl))
+    raise NotImplementedError("the short conv kernel needs D % 128 == 0, got D=64")
+
+  monkeypatch.setattr(cli, "generate_tokens", limited)
+  with pytest.raises(SystemExit) as e:
+    cli.main(["generate", "--hf", str(tiny_k3), "--tokens", "1", "--impl", "pallas"])
+  err = capsys.readouterr().err.splitlines()[-1]  # after load_hf's progress bar
+  assert e.value.code == 2 and seen == [("pallas", "pallas")]
+  assert err.startswith("k3jax: error: --impl pallas: the short conv kernel needs D % 128 == 0") and "--impl xla" in err
+  with pytest.raises(SystemExit) as e:
+    cli.main(["generate", "--hf", str(tiny_k3), "--tokens", "1", "--impl", "triton"])
+  assert e.value.code == 2 and "invalid choice: 'triton'" in capsys.readouterr().err
 
 
 def test_generate_converted_rejects_other_directories(tiny_k3, tmp_path, capsys):

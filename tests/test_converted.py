@@ -8,10 +8,11 @@ import pytest
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from support import fast_jit
+from support import device_mesh, fast_jit
 
 import k3jax
 from k3jax import converted, sharding
+from pallas_kernels import util
 
 
 def flat(model) -> dict:
@@ -41,7 +42,9 @@ def saved(tmp_path_factory):
 
 def test_round_trip_one_device(saved):
   cfg, model, path = saved
-  cfg2, model2 = converted.load_converted(path)
+  # impl is not saved: a load takes this machine's default backend, or the one asked for.
+  assert converted.load_converted(path)[0] == cfg.replace(impl=util.default_impl())
+  cfg2, model2 = converted.load_converted(path, impl="xla")  # tiny's widths are below the Pallas kernels'
   assert cfg2 == cfg and model2.cfg == cfg
   assert_same_params(model2, model)
   assert all(x.sharding == SingleDeviceSharding(jax.devices()[0]) for x in flat(model2).values())
@@ -57,8 +60,8 @@ def test_round_trip_one_device(saved):
 @pytest.mark.parametrize("n", [2, 9])  # 2: no padding; 9: every split dim of tiny is padded
 def test_round_trip_onto_a_mesh(saved, n, tmp_path):
   cfg, model, path = saved
-  mesh = sharding.make_mesh(n)
-  cfg2, model2 = converted.load_converted(path, mesh)
+  mesh = device_mesh(n)
+  cfg2, model2 = converted.load_converted(path, mesh, impl="xla")
   ref, plan = sharding.shard_model(model, mesh)
   assert bool(plan.applied) == (n == 9) and cfg2 == cfg and model2.cfg == ref.cfg
   assert_same_params(model2, ref)
@@ -74,7 +77,7 @@ def test_round_trip_onto_a_mesh(saved, n, tmp_path):
 
 def test_runtime_overrides(saved):
   cfg, model, path = saved
-  cfg2, model2 = converted.load_converted(path, param_dtype=jnp.float32, state_dtype=jnp.bfloat16)
+  cfg2, model2 = converted.load_converted(path, param_dtype=jnp.float32, state_dtype=jnp.bfloat16, impl="xla")
   assert cfg2 == cfg.replace(param_dtype=jnp.float32, state_dtype=jnp.bfloat16)
   for name, x in flat(model2).items():
     assert x.dtype == jnp.float32

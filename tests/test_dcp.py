@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from support import device_mesh
+
 from k3jax import dcp, sharding, steps
 from pallas_kernels.mla import MlaDecodeConfig, MlaDecodeTuning, mla_decode
 from pallas_kernels.mla.config import LATENT_DIM, ROPE_DIM
@@ -66,7 +68,7 @@ LENS = [0, 1, 5, 9, 10, 150]
 @pytest.mark.parametrize("n", [1, 2, 9])
 def test_dcp_decode_matches_single_device_and_oracle(n):
   rng = np.random.default_rng(n)
-  mesh = sharding.make_mesh(n)
+  mesh = device_mesh(n)
   q, tokens = make_inputs(rng, len(LENS), 2 * n, LENS)
   table, pages = dcp_table(rng, LENS, n)
   o, lse = run_dcp(mesh, q, mla_paged_cache(tokens, LENS, table, pages, devices=n), table, LENS, jnp.float32)
@@ -93,7 +95,7 @@ def test_dcp_decode_matches_single_device_and_oracle(n):
 def test_partial_dtype_on_the_wire(io_dtype):
   n = 9
   rng = np.random.default_rng(7)
-  mesh = sharding.make_mesh(n)
+  mesh = device_mesh(n)
   q, tokens = make_inputs(rng, len(LENS), n, LENS, io_dtype)
   table, pages = dcp_table(rng, LENS, n)
   cache = mla_paged_cache(tokens, LENS, table, pages, devices=n)
@@ -148,7 +150,7 @@ def test_mla_decode_out_dtype():
 def test_dcp_write_places_tokens_on_their_owner_only():
   n = 9
   rng = np.random.default_rng(3)
-  mesh = sharding.make_mesh(n)
+  mesh = device_mesh(n)
   lens = [0, 3, 9, 70, 700]
   _, tokens = make_inputs(rng, len(lens), 1, lens)
   table, pages = dcp_table(rng, lens, n)
@@ -186,7 +188,7 @@ def test_dcp_read_gathers_each_token_from_its_owner(n):
     got = dcp.read_local(jnp.asarray(cache), jnp.asarray(table), jnp.asarray(seq_ids[perm]),
                          jnp.asarray(positions[perm]), n=1, rank=0)
   else:
-    mesh = sharding.make_mesh(n)
+    mesh = device_mesh(n)
     cache = jax.device_put(cache, sharding.named_sharding(mesh, *dcp.CACHE_NAMES))
     got = jax.jit(lambda *a: dcp.dcp_read(*a, mesh=mesh))(cache, jnp.asarray(table), jnp.asarray(seq_ids[perm]),
                                                           jnp.asarray(positions[perm]))
@@ -201,7 +203,7 @@ def test_dcp_read_gathers_each_token_from_its_owner(n):
 def test_append_token_then_decode():
   n = 9
   rng = np.random.default_rng(4)
-  mesh = sharding.make_mesh(n)
+  mesh = device_mesh(n)
   lens = np.array([0, 4, 8, 63, 64 * 9], np.int32)  # the last one starts a new page on device 0
   q, tokens = make_inputs(rng, len(lens), n, list(lens + 1))
   table, pages = dcp_table(rng, lens + 1, n)
@@ -223,7 +225,7 @@ def test_append_token_then_decode():
 def test_hlo_moves_queries_and_partials_never_the_cache():
   n = 9
   rng = np.random.default_rng(5)
-  mesh = sharding.make_mesh(n)
+  mesh = device_mesh(n)
   q, tokens = make_inputs(rng, len(LENS), n, LENS)
   table, pages = dcp_table(rng, LENS, n)
   config = MlaDecodeConfig(scale=K3_MLA_SCALE, impl="xla", partial_dtype=jnp.bfloat16)
@@ -245,15 +247,15 @@ def test_hlo_moves_queries_and_partials_never_the_cache():
 def test_capacity_follows_the_ambient_mesh():
   assert dcp.capacity(2, 9) == 9 * 2 * 64 and dcp.capacity(3, 1, page_size=16) == 48
   assert dcp.capacity(2) == 128  # no mesh: the plain paged cache
-  with jax.set_mesh(sharding.make_mesh(9)):
+  with jax.set_mesh(device_mesh(9)):
     assert dcp.capacity(2) == 1152
-  with jax.set_mesh(sharding.make_mesh(1)):
+  with jax.set_mesh(device_mesh(1)):
     assert dcp.capacity(2) == 128
 
 
 def test_validation_errors():
   n = 9
-  mesh = sharding.make_mesh(n)
+  mesh = device_mesh(n)
   rng = np.random.default_rng(6)
   lens = [5, 20]
   q, tokens = make_inputs(rng, 2, n, lens)

@@ -19,10 +19,30 @@ def test_run_section_passes_and_fails_by_exit_status(tmp_path):
   assert not res.ok and res.summary.startswith("FAILED (exit 1): 1 failed, 2 passed")
 
 
+def test_sections_get_a_failure_log(tmp_path):
+  write = "import os; open(os.environ['K3JAX_FAILURE_LOG'], 'w').write('=== t (call)')"
+  res = gpu_check.run_section(gpu_check.Section("log", (sys.executable, "-c", write), 60, lambda *_: ""), tmp_path)
+  assert res.ok and (tmp_path / "log.failures.txt").read_text() == "=== t (call)"
+
+
+def test_kernel_and_model_tests_split_the_suite():
+  kernels, others = gpu_check.suite_files(True), gpu_check.suite_files(False)
+  every = sorted(p.relative_to(gpu_check.ROOT).as_posix() for p in (gpu_check.ROOT / "tests").glob("test_*.py"))
+  assert sorted(kernels + others) == every and not set(kernels) & set(others)
+  assert "tests/test_mla_kernel.py" in kernels and "tests/test_model.py" in others
+  sections = {s.name: s.argv for s in gpu_check.SECTIONS}
+  assert set(kernels) <= set(sections["kernel-tests"]) and set(others) <= set(sections["model-tests"])
+
+
 def test_time_out_and_broken_summary_fail_the_section(tmp_path):
   slow = gpu_check.Section("slow", (sys.executable, "-c", "import time; time.sleep(30)"), 1,
                            gpu_check._pytest_summary)
   assert not gpu_check.run_section(slow, tmp_path).ok
+  # Cut short before pytest's closing line: the verdicts that -v logged, the failed tests by name.
+  log = "\n".join(["[gw0] [ 1%] PASSED tests/test_a.py::test_one ", "[gw1] [ 2%] FAILED tests/test_b.py::test_two[9] ",
+                   "[gw0] [ 3%] ERROR tests/test_c.py::test_three "])
+  assert gpu_check._pytest_summary(log, tmp_path) == ("no pytest summary line; 1 passed, 2 failed or errors so far"
+                                                      "\n  tests/test_b.py::test_two[9]\n  tests/test_c.py::test_three")
   # A benchmark that exits 0 but writes no JSON has no numbers to quote: failed.
   empty = gpu_check.Section("empty", (sys.executable, "-c", "pass"), 60, gpu_check._kda_decode)
   res = gpu_check.run_section(empty, tmp_path)

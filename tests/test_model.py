@@ -13,11 +13,11 @@ import pytest
 from flax import nnx
 
 from layer_oracles import F32, assert_close, np_attn_res, np_kda, np_mla, np_mlp, np_moe, np_rms, npf, tiny
-from support import fast_jit
+from support import device_mesh, fast_jit
 
 import k3jax
 from k3jax import config as cfg_lib
-from k3jax import nn_util, ops, sharding
+from k3jax import nn_util, ops
 from k3jax.cache import SlotAllocator, init_cache
 from pallas_kernels.mla import cache_format
 
@@ -377,7 +377,7 @@ def test_bad_inputs_raise():
   with pytest.raises(ValueError, match="cache capacity 128 "):
     r.model.prefill(jnp.zeros(130, jnp.int32), jnp.asarray([0, 130, 130, 130], jnp.int32), cache)
   # On a mesh the same block table addresses a DCP cache: 2 local pages on each of 9 devices.
-  with jax.set_mesh(sharding.make_mesh(9)), pytest.raises(ValueError, match="cache capacity 1152 "):
+  with jax.set_mesh(device_mesh(9)), pytest.raises(ValueError, match="cache capacity 1152 "):
     r.model.prefill(jnp.zeros(1153, jnp.int32), jnp.asarray([0, 1153, 1153, 1153], jnp.int32), cache)
   _, cache = r.prefill(tokens_for(r.cfg, 0), [T, 0, 0], cache)
   with pytest.raises(ValueError, match="cache capacity"):  # 20 cached + 110 new > 128

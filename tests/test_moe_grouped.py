@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from support import device_mesh
 
 from k3jax import config as cfg_lib
 from k3jax import sharding
@@ -155,12 +156,10 @@ def test_expert_parallel_on_a_mesh_through_the_kernel(kernel_impl):
 def test_decode_over_many_experts_gathers(mesh_devices):
   """64 copies over 160 experts (fewer rows than experts): the ``"gather"`` backend, without and with a mesh
   (a 48-row share of each device, one psum), equals the oracle in f32 and ``ragged_dot`` in bf16."""
-  if mesh_devices and len(jax.devices()) < mesh_devices:
-    pytest.skip(f"needs {mesh_devices} devices")
   p = _problem(t=16, k=4, e=160, de=BLOCK, i=BLOCK, seed=4)
   args = [p[n] for n in ("x", "experts", "weights", "w1", "w3", "w2")]
   assert moe.share_rows(64, 2, moe.GATHER_ROWS) == 48
-  on_mesh = jax.set_mesh(sharding.make_mesh(mesh_devices)) if mesh_devices else contextlib.nullcontext()
+  on_mesh = jax.set_mesh(device_mesh(mesh_devices)) if mesh_devices else contextlib.nullcontext()
   got = {}
   # Full f32 products also on a GPU (whose default f32 matmul may round operands to TF32).
   with on_mesh, jax.default_matmul_precision("highest"):
@@ -207,9 +206,7 @@ def test_lowers_for_cuda(mesh_devices):
   """Mosaic GPU lowering of the three expert matmuls for sm_90a on the CPU (2048 copies, 256 wide, 8 experts),
   without and with a mesh (twice there: the device's share and the all-rows fallback); a decode-sized call
   keeps ``ragged_dot``."""
-  if mesh_devices and len(jax.devices()) < mesh_devices:
-    pytest.skip(f"needs {mesh_devices} devices")
-  on_mesh = jax.set_mesh(sharding.make_mesh(mesh_devices)) if mesh_devices else contextlib.nullcontext()
+  on_mesh = jax.set_mesh(device_mesh(mesh_devices)) if mesh_devices else contextlib.nullcontext()
   f = jax.jit(functools.partial(moe.routed_experts, act=_silu_gate, dtype=BF16, impl="pallas"))
   for t, want in ((2048 // 4, 6 if mesh_devices else 3), (16, 0)):
     p = _problem(t=t, k=4, e=8, de=2 * BLOCK, i=2 * BLOCK)

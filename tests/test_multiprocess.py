@@ -14,7 +14,8 @@ import sys
 import numpy as np
 
 import multiprocess_worker as worker
-from k3jax import checkpoint, sharding, testing
+from support import device_mesh
+from k3jax import checkpoint, testing
 
 TIMEOUT_S = 300
 
@@ -55,7 +56,7 @@ def test_multiprocess_3x3_equals_single_process_9_devices(tmp_path):
       f"--- process {i} (rc {p.returncode}):\n{out[-6000:]}" for i, (p, out) in enumerate(zip(procs, outputs)))
 
   # The reference: the same checkpoint and steps on this process's 9 CPU devices.
-  mesh = sharding.make_mesh(9)
+  mesh = device_mesh(9)
   _, model = checkpoint.load_hf(hf, mesh=mesh, config=worker.CONFIG, progress=False)
   ref = worker.run_steps(worker.make_step(model, mesh), model.cfg)
   assert len(ref) == worker.NUM_DECODES + 1

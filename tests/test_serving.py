@@ -15,7 +15,7 @@ from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
 from layer_oracles import tiny
-from support import budget
+from support import budget, device_mesh
 
 import k3jax
 from k3jax import serving, sharding, steps
@@ -193,7 +193,7 @@ def test_hit_on_a_mesh_matches_one_device(setup):
   64 x 3 tokens: the repeat of a 200-token prompt hits at 192 and matches the one-device uncached logits."""
   cfg, step = setup
   model = k3jax.KimiK3Model(cfg, rngs=nnx.Rngs(0))  # the parameters of ``step``'s model (same seed)
-  mesh = sharding.make_mesh(3)
+  mesh = device_mesh(3)
   placed, _ = sharding.shard_model(model, mesh)
   mstep = k3jax.jit_model_step(placed, mesh, vocab_size=cfg.vocab_size, compiler_options=FAST)
   cache = steps.init_mesh_cache(placed.cfg, 2, MAX_LEN, mesh, fill=np.nan, num_slots=6, num_pages=8, idle=True)
@@ -370,7 +370,7 @@ def test_verify_on_a_mesh_matches_one_device(setup):
   """3 devices: KDA heads split, the verify's latent rows written by DCP to their owner devices."""
   cfg, step = setup
   model = k3jax.KimiK3Model(cfg, rngs=nnx.Rngs(0))  # the parameters of ``step``'s model (same seed)
-  mesh = sharding.make_mesh(3)
+  mesh = device_mesh(3)
   placed, _ = sharding.shard_model(model, mesh)
   mstep = k3jax.jit_model_step(placed, mesh, vocab_size=cfg.vocab_size, compiler_options=FAST)
   toks = np.random.default_rng(23).integers(0, cfg.vocab_size, (2, 1 + S)).astype(np.int32)

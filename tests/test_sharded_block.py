@@ -9,6 +9,8 @@ import sys
 import numpy as np
 import pytest
 
+from support import device_mesh, needs_devices
+
 _PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "sharded_block.py"
 _spec = importlib.util.spec_from_file_location("sharded_block", _PATH)
 sharded_block = importlib.util.module_from_spec(_spec)
@@ -25,6 +27,7 @@ STATS = ("token_rel_median", "token_rel_p99", "token_rel_max", "tokens_above_tol
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_sharded_logits_match_one_device(tmp_path, capsys, dtype):
+  needs_devices(9)
   ref, log = tmp_path / "ref.npz", tmp_path / "sb.jsonl"
   status = [sharded_block.main(["--tiny", "--dtype", dtype, "--devices", "1", "--save", str(ref), "--json", str(log),
                                 *QUICK]),
@@ -146,15 +149,13 @@ def test_device_init_does_not_depend_on_the_mesh(monkeypatch):
   import jax
   from flax import nnx
 
-  from k3jax import sharding
-
   monkeypatch.setattr(sharded_block, "HOST_INIT_BYTES", 0)
   args = sharded_block._resolve(sharded_block._parser().parse_args(["--tiny"]))
   args.impl = "xla"
   cfg = sharded_block.block_config(args)
   params = {}
   for n in (1, 9):
-    model, plan = sharded_block.init_model(cfg, sharding.make_mesh(n), seed=0,
+    model, plan = sharded_block.init_model(cfg, device_mesh(n), seed=0,
                                            compiler_options={"xla_backend_optimization_level": 0})
     params[n] = {path: np.asarray(jax.device_get(var.get_value()))
                  for path, var in nnx.to_flat_state(nnx.state(model))}

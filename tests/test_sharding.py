@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
+from support import device_mesh, needs_devices
+
 from k3jax import nn_util, padding, sharding
 from k3jax.config import preset
 
@@ -14,6 +16,7 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def test_make_mesh():
+  needs_devices(9)
   mesh = sharding.make_mesh()
   assert mesh.axis_names == (M,) and mesh.devices.size == len(jax.devices()) == 9
   assert mesh.axis_types == (AxisType.Auto,)
@@ -31,7 +34,7 @@ def test_spec_and_divisibility():
     sharding.spec("hidden")
   with pytest.raises(ValueError, match="more than one dim on the same mesh axis"):
     sharding.spec("heads", "mlp")
-  mesh = sharding.make_mesh(9)
+  mesh = device_mesh(9)
   sharding.check_divisible("w", (7168, 99 * 128), ("embed", "heads"), mesh)
   with pytest.raises(ValueError, match=r"w: dim 1 \('heads'\) .* has size 12288, not a multiple of the 9"):
     sharding.check_divisible("w", (7168, 96 * 128), ("embed", "heads"), mesh)
@@ -51,7 +54,7 @@ def test_constrain():
   assert sharding.constrain(x, "heads", None) is x  # no mesh set: a no-op, names still checked
   with pytest.raises(ValueError, match="unknown logical axis name"):
     sharding.constrain(x, "head", None)
-  mesh = sharding.make_mesh(9)
+  mesh = device_mesh(9)
   with jax.set_mesh(mesh):
     y = jax.jit(lambda x: sharding.constrain(x * 2, "heads", None))(x)
     assert y.sharding.is_equivalent_to(sharding.named_sharding(mesh, "heads", None), 2)
@@ -61,7 +64,7 @@ def test_constrain():
 
 
 def test_shard_kernel():
-  mesh = sharding.make_mesh(9)
+  mesh = device_mesh(9)
 
   def per_device(x, w):  # [T, H_local, K] x [K] -> its heads, plus a per-device count
     return x * w, jnp.full((1,), x.shape[1], jnp.int32)
@@ -149,7 +152,7 @@ def test_padded_heads_contribute_exactly_zero_sharded():
   heads, d, dm, t = 4, 8, 16, 5
   x = rng.standard_normal((t, dm)) / 4
   ws = [rng.standard_normal((dm, heads * d)) / 4 for _ in range(3)] + [rng.standard_normal((heads * d, dm)) / 4]
-  mesh = sharding.make_mesh(9)
+  mesh = device_mesh(9)
   # Head-major fused [D, H * d] / [H * d, D] weights: padding the end of the axis appends whole zero heads.
   padded = [jnp.asarray(padding.pad_param("kernel", w.astype(np.float32), (dm, 9 * d))) for w in ws[:3]]
   padded.append(jnp.asarray(padding.pad_param("kernel", ws[3].astype(np.float32), (9 * d, dm))))

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from support import fast_jit
+from support import device_mesh, fast_jit
 
 from k3jax import cache as cache_lib, model as model_lib, ops, padding, sharding, steps
 from k3jax.config import KDA, PAGE_SIZE, preset
@@ -71,7 +71,7 @@ def tiny():
 
 
 def test_golden_partition_specs_and_padding(tiny):
-  mesh = sharding.make_mesh(N)
+  mesh = device_mesh(N)
   model, plan = sharding.shard_model(tiny, mesh)
   assert plan.applied == {"num_attention_heads": (4, 9), "kda_num_heads": (4, 9), "num_experts": (8, 9),
                           "vocab_size": (256, 261), "intermediate_size": (96, 99),
@@ -116,7 +116,7 @@ def test_k3_layout_on_9_and_8_devices():
 
 
 def test_unpadded_model_is_refused(tiny):
-  mesh = sharding.make_mesh(N)
+  mesh = device_mesh(N)
   with pytest.raises(ValueError, match=r"layers.0.self_attn.q_b_proj.kernel: dim 1 \('heads'\)"):
     sharding.check_divisible("layers.0.self_attn.q_b_proj.kernel", tiny.layers[0].self_attn.q_b_proj.kernel.shape,
                              ("q_lora", "heads", "qk_head_dim"), mesh)
@@ -134,7 +134,7 @@ def test_layers_run_the_mesh_aware_ops(tiny, monkeypatch):
                "mesh_kda_prefill", "mesh_kda_decode", "mesh_short_conv_prefill", "mesh_short_conv_update"):
     real = getattr(ops, name)
     monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name, **kw: seen.update([_name]) or _real(*a, **kw))
-  mesh = sharding.make_mesh(N)
+  mesh = device_mesh(N)
   placed, _ = sharding.shard_model(tiny, mesh)
   step = steps.jit_model_step(placed, mesh, vocab_size=tiny.cfg.vocab_size, compiler_options=FAST)
   _, cache = step.prefill(jnp.zeros(4, jnp.int32), jnp.asarray([0, 1, 4], jnp.int32),
@@ -153,7 +153,7 @@ def test_layers_run_the_mesh_aware_ops(tiny, monkeypatch):
 
 
 def test_sharded_step_checks_values_and_runs_an_empty_prefill(tiny):
-  mesh = sharding.make_mesh(N)
+  mesh = device_mesh(N)
   placed, _ = sharding.shard_model(tiny, mesh)
   step = steps.jit_model_step(placed, mesh, vocab_size=tiny.cfg.vocab_size)
   cache = steps.init_mesh_cache(placed.cfg, 2, 64, mesh)
@@ -185,7 +185,7 @@ def run_sharded_and_single(model, num_decodes=2):
   cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
   tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, cu[-1]).astype(np.int32))
   steps_tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (num_decodes, len(lens))).astype(np.int32))
-  mesh = sharding.make_mesh(N)
+  mesh = device_mesh(N)
   placed, _ = sharding.shard_model(model, mesh)
   step = steps.jit_model_step(placed, mesh, vocab_size=cfg.vocab_size, compiler_options=FAST)
   cache = steps.init_mesh_cache(placed.cfg, len(lens), 64, mesh, fill=0.0)

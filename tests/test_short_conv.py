@@ -11,6 +11,9 @@ from pallas_kernels.short_conv import (ShortConvConfig, ShortConvTuning, default
 from pallas_kernels.short_conv.config import resolve_tuning
 
 W, D, P = 4, 24, 12
+# D = 24 is below the kernel's widths (D % 128): the tests here that name no backend run the XLA one; the
+# kernel's are in test_short_conv_kernel.py and the ones parametrized over impl.
+XLA = ShortConvConfig(impl="xla")
 POISON = 1e30
 
 
@@ -114,7 +117,7 @@ def test_conv_states_are_the_raw_input_rows_bitwise():
   _, new_pool = short_conv_prefill(
       x, weight, cu_seqlens=_cu(lengths), conv_pool=pool, state_indices=jnp.asarray([4, 5], jnp.int32),
       has_initial_state=jnp.asarray([True, True]), checkpoint_indptr=jnp.asarray([0, 1, 1], jnp.int32),
-      checkpoint_offsets=jnp.asarray([5], jnp.int32), checkpoint_slots=jnp.asarray([6], jnp.int32))
+      checkpoint_offsets=jnp.asarray([5], jnp.int32), checkpoint_slots=jnp.asarray([6], jnp.int32), config=XLA)
   np.testing.assert_array_equal(np.asarray(new_pool[4]), np.asarray(x[4:7]))
   np.testing.assert_array_equal(np.asarray(new_pool[6]), np.asarray(x[2:5]))
   # Length 2 < W - 1: the newest old row of slot 5 then the two new rows.
@@ -128,7 +131,7 @@ def test_prefill_without_activation_and_under_jit():
   slots, has_init = [2, 8], [True, False]
   f = jax.jit(lambda x, cu, s, h: short_conv_prefill(x, weight, cu_seqlens=cu, conv_pool=pool, state_indices=s,
                                                        has_initial_state=h,
-                                                       config=ShortConvConfig(activation=None)))
+                                                       config=ShortConvConfig(activation=None, impl="xla")))
   y, new_pool = f(x, _cu(lengths), jnp.asarray(slots, jnp.int32), jnp.asarray(has_init))
   y_ref, pool_ref = _oracle(x, weight, lengths, pool, slots, has_init, activation=None)
   np.testing.assert_allclose(np.asarray(y), y_ref, **F32_TOL)
@@ -142,15 +145,15 @@ def test_prefill_equals_shorter_prefill_then_updates(j):
   slots = jnp.asarray([1, 6], jnp.int32)
   has_init = jnp.asarray([True, False])
   y_full, pool_full = short_conv_prefill(x, weight, cu_seqlens=_cu(lengths), conv_pool=pool,
-                                         state_indices=slots, has_initial_state=has_init)
+                                         state_indices=slots, has_initial_state=has_init, config=XLA)
   short = [length - j for length in lengths]
   keep = np.concatenate([np.arange(0, short[0]), np.arange(lengths[0], lengths[0] + short[1])])
   y_part, p = short_conv_prefill(x[keep], weight, cu_seqlens=_cu(short), conv_pool=pool,
-                                 state_indices=slots, has_initial_state=has_init)
+                                 state_indices=slots, has_initial_state=has_init, config=XLA)
   ys = [y_part]
   for i in range(j):
     rows = jnp.asarray([short[0] + i, lengths[0] + short[1] + i])
-    y_step, p = short_conv_update(x[rows], weight, conv_pool=p, state_indices=slots)
+    y_step, p = short_conv_update(x[rows], weight, conv_pool=p, state_indices=slots, config=XLA)
     ys.append(y_step)
   # Same f32 arithmetic on the same rows in both paths: bitwise equal.
   np.testing.assert_array_equal(np.asarray(p), np.asarray(pool_full))
@@ -166,7 +169,7 @@ def test_update_matches_oracle_slot_minus_one_and_poison():
   x, weight, pool = _random(5, 4, pool_dtype=jnp.bfloat16)
   pool = pool.at[jnp.asarray([0, 11])].set(POISON)
   slots = [3, -1, 7, 2]
-  y, new_pool = short_conv_update(x, weight, conv_pool=pool, state_indices=jnp.asarray(slots, jnp.int32))
+  y, new_pool = short_conv_update(x, weight, conv_pool=pool, state_indices=jnp.asarray(slots, jnp.int32), config=XLA)
   assert y.shape == (4, D) and y.dtype == jnp.float32 and new_pool.dtype == jnp.bfloat16
   pf = np.asarray(pool.astype(jnp.float32))
   y_ref, pool_ref = _oracle(x, weight, [1] * 4, pf, slots, [True] * 4)
@@ -184,7 +187,7 @@ def test_speculative_rollback_equals_replay_of_accepted_prefix():
   cols = jnp.asarray([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], jnp.int32)
   start = jnp.asarray([1, 2, 4], jnp.int32)  # first verify: read column 0, 1, 3
   pool = pool.at[cols[:, 0]].set(pool[cols[0, 0]])  # any valid states in the read columns
-  y, p1 = short_conv_update(draft, weight, conv_pool=pool, state_indices=cols, num_accepted=start)
+  y, p1 = short_conv_update(draft, weight, conv_pool=pool, state_indices=cols, num_accepted=start, config=XLA)
   assert y.shape == draft.shape and y.dtype == draft.dtype
   # Oracle: replay every draft row after the read column's state.
   pf = np.asarray(pool, np.float64)
@@ -197,16 +200,16 @@ def test_speculative_rollback_equals_replay_of_accepted_prefix():
   # draft tokens followed by the next draft tokens, bitwise.
   accepted = jnp.asarray([1, 3, 4], jnp.int32)
   nxt = _normal(61, n, steps, D)
-  y2, p2 = short_conv_update(nxt, weight, conv_pool=p1, state_indices=cols, num_accepted=accepted)
+  y2, p2 = short_conv_update(nxt, weight, conv_pool=p1, state_indices=cols, num_accepted=accepted, config=XLA)
   for r in range(n):
     a = int(accepted[r])
     one = jnp.asarray([cols[r, start[r] - 1]], jnp.int32)
     q = pool
     for t in range(a):
-      _, q = short_conv_update(draft[r:r + 1, t], weight, conv_pool=q, state_indices=one)
+      _, q = short_conv_update(draft[r:r + 1, t], weight, conv_pool=q, state_indices=one, config=XLA)
     ys = []
     for t in range(steps):
-      yt, q = short_conv_update(nxt[r:r + 1, t], weight, conv_pool=q, state_indices=one)
+      yt, q = short_conv_update(nxt[r:r + 1, t], weight, conv_pool=q, state_indices=one, config=XLA)
       ys.append(yt[0])
     np.testing.assert_allclose(np.asarray(y2[r]), np.stack(ys), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(p2[cols[r, -1]]), np.asarray(q[one[0]]))
@@ -219,7 +222,7 @@ def test_speculative_minus_one_read_slot_and_skipped_columns():
   cols = jnp.asarray([[-1, 1, 2], [3, -1, 5]], jnp.int32)
   pool = pool.at[3].set(x[0, 0])
   y, new_pool = short_conv_update(draft, weight, conv_pool=pool, state_indices=cols,
-                                  num_accepted=jnp.asarray([1, 1], jnp.int32))
+                                  num_accepted=jnp.asarray([1, 1], jnp.int32), config=XLA)
   np.testing.assert_array_equal(np.asarray(y[0]), 0.0)  # read slot -1: output 0, nothing written
   assert np.isfinite(np.asarray(y[1])).all()
   changed = [3, 5]
@@ -366,7 +369,7 @@ def test_update_padding_rows_may_share_slots():
   _, weight, pool = _random(12, 1)
   y, new_pool = short_conv_update(jnp.ones((2, 2, D)), weight, conv_pool=pool,
                                   state_indices=jnp.asarray([[0, 1], [-1, 1]], jnp.int32),
-                                  num_accepted=jnp.asarray([1, 1], jnp.int32))
+                                  num_accepted=jnp.asarray([1, 1], jnp.int32), config=XLA)
   np.testing.assert_array_equal(np.asarray(y[1]), 0.0)
   np.testing.assert_array_equal(np.asarray(new_pool[2:]), np.asarray(pool[2:]))
 

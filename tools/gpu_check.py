@@ -3,8 +3,10 @@
 Sections (each a subprocess with its own time limit and log):
   gpu-tests    ``pytest -m gpu``: the compiled kernels at real sizes
   randomized   ``pytest tests/test_randomized_*.py`` with the GPU example budget (compiled kernels)
-  other-tests  the rest of the suite (``-m "not gpu" -k "not randomized"``): kernel tests compiled, XLA paths on
-               the GPU's numerics (TF32 f32 matmuls by default), which CI's CPUs never show
+  kernel-tests the rest of the kernel files' tests (``-m "not gpu" -k "not randomized"``), compiled
+  model-tests  the rest of the suite: layers, model, caches, loaders, CLI and benchmark scripts on the GPU's XLA
+               (tests of a mesh larger than the one GPU skip: CI runs them on 9 CPU devices)
+  Each test section logs every failure's traceback as it happens to ``<out>/<name>.failures.txt``.
   demo         ``python -m k3jax.demo`` with the Pallas kernels
   kda-prefill, kda-decode, short-conv, mla-decode, mla-prefill, sharded-block, prefix-cache   each benchmark
                in its quick mode; the summary quotes the key numbers and the ratios to the peers (FLA,
@@ -48,9 +50,15 @@ class Section:
 
 
 def _pytest_summary(log: str, _: pathlib.Path) -> str:
-  """pytest's closing line (``41 passed, 2 skipped in 332.10s``)."""
+  """pytest's closing line (``41 passed, 2 skipped in 332.10s``); for a run cut short before it, the verdicts
+  that ``-v`` logged so far, naming the failed tests."""
   lines = [ln.strip("= ") for ln in log.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
-  return lines[-1] if lines else "no pytest summary line"
+  if lines:
+    return lines[-1]
+  verdicts = [m.groups() for m in re.finditer(r"\b(PASSED|FAILED|ERROR) (\S+)", log)]
+  failed = [test for verdict, test in verdicts if verdict != "PASSED"]
+  return (f"no pytest summary line; {len(verdicts) - len(failed)} passed, {len(failed)} failed or errors so far"
+          + "".join(f"\n  {test}" for test in failed))
 
 
 def _demo_summary(log: str, _: pathlib.Path) -> str:
@@ -127,14 +135,27 @@ def _sharded_block(_: str, path: pathlib.Path) -> str:
 PY = sys.executable
 # The test sections are bound by kernel compiles on the host's cores: pytest-xdist workers share the GPU,
 # each allocating on demand (JAX would otherwise take 75% of the GPU's memory per process). The benchmarks
-# run alone, one process at a time.
-PYTEST = (PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "8")
+# run alone, one process at a time. Each test's verdict is logged as it ends (-v), so that a section cut short
+# by its time limit still names its failures; -rf repeats them with their reasons at the end.
+PYTEST = (PY, "-m", "pytest", "-v", "-rf", "-p", "no:cacheprovider", "-n", "14")
 SHARED_GPU = (("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),)
+# The suite outside the gpu-marked and randomized tests needs more than one 10-minute device call: it is
+# split into the kernel packages' test files and the rest.
+KERNEL_TESTS = ("test_kda_", "test_mla_", "test_short_conv", "test_moe_", "test_mosaic_", "test_platform")
+
+
+def suite_files(kernels: bool) -> tuple[str, ...]:
+  """The test files of the kernel packages (``kernels``) or all the others, relative to the repository."""
+  files = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_*.py"))
+  return tuple(f for f in files if pathlib.Path(f).name.startswith(KERNEL_TESTS) == kernels)
+
+
+UNMARKED = ("-m", "not gpu", "-k", "not randomized")
 SECTIONS = (
     Section("gpu-tests", PYTEST + ("-m", "gpu"), 420, _pytest_summary, SHARED_GPU),
     Section("randomized", PYTEST + ("-k", "randomized", "tests"), 420, _pytest_summary, SHARED_GPU),
-    Section("other-tests", PYTEST + ("-m", "not gpu", "-k", "not randomized", "tests"), 540, _pytest_summary,
-            SHARED_GPU),
+    Section("kernel-tests", PYTEST + UNMARKED + suite_files(True), 540, _pytest_summary, SHARED_GPU),
+    Section("model-tests", PYTEST + UNMARKED + suite_files(False), 540, _pytest_summary, SHARED_GPU),
     Section("demo", (PY, "-m", "k3jax.demo"), 240, _demo_summary),
     Section("kda-prefill", (PY, "benchmarks/kda_prefill.py", "--quick", "--shapes", "0", "3", "--json", "{json}"),
             300, _kda_prefill),
@@ -166,10 +187,12 @@ def run_section(section: Section, out: pathlib.Path) -> Result:
   """Runs one section, writing ``<out>/<name>.log``; a non-zero exit, a time-out or a summariser error fails."""
   json_path = out / f"{section.name}.json"
   json_path.unlink(missing_ok=True)
+  failures = out / f"{section.name}.failures.txt"
+  failures.unlink(missing_ok=True)
   argv = [a.replace("{json}", str(json_path)) for a in section.argv]
   # The repository first; a PYTHONPATH already set (carried wheels such as FLA) stays behind it.
   path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-  env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", **dict(section.env))
+  env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", K3JAX_FAILURE_LOG=str(failures), **dict(section.env))
   t0 = time.perf_counter()
   print(f"[gpu-check] {section.name}: {' '.join(argv)}", flush=True)
   log_path = out / f"{section.name}.log"
