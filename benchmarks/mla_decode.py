@@ -16,9 +16,9 @@ Printed as ``-`` where CUPTI is not available (interpret mode on a CPU).
 
 ``TFLOP/s`` counts ``2 * B * Hq * context * (576 + 512)`` FLOPs per call (QK^T over 576, PV over 512).
 
-``--cache-dtypes bfloat16 float8_e4m3fn`` also times an fp8 cache (``cache_format``: 592 bytes per token, the
+``--cache-dtypes bfloat16 float8_e4m3fn`` also times an fp8 cache (``cache_format``: 640 bytes per token, the
 same random values quantised page block by page block) with the same pages, q and lengths: its bandwidth counts
-its own bytes (``B * context * 592``), ``vs bf16`` is the bf16 cache's time over its time (same shape and partial
+its own bytes (``B * context * 640``), ``vs bf16`` is the bf16 cache's time over its time (same shape and partial
 dtype, same run) and ``fp8 err`` its output's relative RMS difference from the bf16 cache's (the e4m3 rounding).
 The XLA path and FlashMLA (whose fp8 decode is sparse-only) run on the bf16 cache only.
 
