@@ -28,16 +28,26 @@ import pytest  # noqa: E402
 
 from pallas_kernels import mosaic_interpret, util  # noqa: E402
 
-FAILURE_LOG = os.environ.get("K3JAX_FAILURE_LOG")
+
+class FailureLog:
+  """Appends each failure's traceback to a file when it happens: pytest prints tracebacks only at the end, so a
+  run killed by a time limit (``make gpu-check`` on a lent GPU) would otherwise lose them."""
+
+  def __init__(self, path: str):
+    self.path = path
+
+  def pytest_runtest_logreport(self, report):
+    if report.failed:
+      with open(self.path, "a") as f:
+        f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
-def pytest_runtest_logreport(report):
-  """Appends each failure's traceback to ``K3JAX_FAILURE_LOG`` when it happens: pytest prints tracebacks only
-  at the end, so a run killed by a time limit (``make gpu-check`` on a lent GPU) would otherwise lose them.
-  Under pytest-xdist the controller writes (it receives every worker's reports); workers do not."""
-  if FAILURE_LOG and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
-    with open(FAILURE_LOG, "a") as f:
-      f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+def pytest_configure(config):
+  # Only where K3JAX_FAILURE_LOG names a file, and not in an xdist worker (it has ``workerinput``): the
+  # controller receives every worker's reports.
+  path = os.environ.get("K3JAX_FAILURE_LOG")
+  if path and not hasattr(config, "workerinput"):
+    config.pluginmanager.register(FailureLog(path), "k3jax-failure-log")
 
 
 def pytest_collection_modifyitems(config, items):

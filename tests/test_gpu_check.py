@@ -1,7 +1,9 @@
 """`make gpu-check`'s runner and summarisers, on the CPU (the sections themselves need a Hopper GPU)."""
 
 import json
+import os
 import pathlib
+import subprocess
 import sys
 
 from tools import gpu_check
@@ -23,6 +25,21 @@ def test_sections_get_a_failure_log(tmp_path):
   write = "import os; open(os.environ['K3JAX_FAILURE_LOG'], 'w').write('=== t (call)')"
   res = gpu_check.run_section(gpu_check.Section("log", (sys.executable, "-c", write), 60, lambda *_: ""), tmp_path)
   assert res.ok and (tmp_path / "log.failures.txt").read_text() == "=== t (call)"
+
+
+def test_conftest_logs_each_failure_as_it_happens(tmp_path):
+  """tests/conftest.py appends a failed test's traceback to K3JAX_FAILURE_LOG (under xdist too); passes add
+  nothing."""
+  (tmp_path / "test_tmp.py").write_text("def test_ok():\n  pass\n\n\ndef test_bad():\n  assert 1 == 2, 'boom'\n")
+  log = tmp_path / "failures.txt"
+  tests = gpu_check.ROOT / "tests"
+  env = dict(os.environ, K3JAX_FAILURE_LOG=str(log), PYTHONPATH=os.pathsep.join([str(tests), str(gpu_check.ROOT)]))
+  argv = [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", "-c", os.devnull,
+          "--rootdir", str(tmp_path), "-n", "2", str(tmp_path / "test_tmp.py")]
+  done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1, done.stdout + done.stderr
+  text = log.read_text()
+  assert text.count("=== ") == 1 and "test_tmp.py::test_bad (call)" in text and "AssertionError: boom" in text
 
 
 def test_kernel_and_model_tests_split_the_suite():

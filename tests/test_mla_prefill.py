@@ -210,10 +210,10 @@ def test_long_prompt_lowers_without_a_t_by_t_array():
   compiled = jax.jit(fn).lower(*args).compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
   # The working set is the stacked outputs, O(T * H * Dv), and a few [H, 256, 512] f32 score blocks (5.5 MiB
-  # each): below the bf16 bytes of q alone, and far below one [T, T] array (XLA's GPU buffer assignment keeps
-  # more than its CPU's).
+  # each): below the bf16 bytes of q alone, and far below one [T, T] array: 1/64 of it on the CPU, 1/32 on a GPU
+  # (XLA's GPU buffer assignment keeps more).
   assert temp < t * h * 192 * 2
-  assert temp < t * t * 4 // 32
+  assert temp < t * t * 4 // (64 if jax.default_backend() == "cpu" else 32)
   assert not re.search(rf"\b{t},(\d+,)*{t}\b", compiled.as_text())
 
 
