@@ -350,15 +350,19 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
       plgpu.copy_gmem_to_smem(words_ref.at[page, :, pl.ds(SCALE_WORD0, SCALE_WORDS)], piece_scales.at[s],
                               scale_bar.at[s])
 
-  def convert_chunk(src, dst, page_start, masked: bool):
-    """fp8, narrow: chunk ``[64, 64]`` e4m3 at ``src`` into ``dst`` as f16 (exact, one instruction per two
-    values), unscaled; ``masked`` (a sequence's last page) zeroes the rows past ``seq_len``, so that ``P @ V``
-    is NaN-safe there."""
-    x = plgpu.load(src, layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float16)
-    if masked:
-      token = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, FP8_CHUNK), 0, layout=plgpu.Layout.WGMMA)
-      x = jnp.where(token < seq_len - page_start, x, 0.0).astype(jnp.float16)
-    dst[...] = x
+  def convert_piece(staged, slot, p, page_start, masked: bool):
+    """fp8, narrow: piece p (static) in staging slot ``staged`` into ring slot ``slot`` as f16 (exact, one
+    instruction per two values), unscaled; ``masked`` (a sequence's last page) zeroes the rows past ``seq_len``,
+    so that ``P @ V`` is NaN-safe there. All of the piece's loads come before its stores: the converter is one
+    warp per scheduler, bound by the latency of its shared-memory loads, not by their issue."""
+    chunks = [plgpu.load(pieces.at[staged, :, pl.ds(k * FP8_CHUNK, FP8_CHUNK)], layout=plgpu.Layout.WGMMA,
+                         optimized=False) for k in range(PIECE_CHUNKS)]
+    for k, x in enumerate(chunks):
+      x = x.astype(jnp.float16)
+      if masked:
+        token = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, FP8_CHUNK), 0, layout=plgpu.Layout.WGMMA)
+        x = jnp.where(token < seq_len - page_start, x, 0.0).astype(jnp.float16)
+      kv_smem.at[slot, :, pl.ds((p * PIECE_CHUNKS + k) * FP8_CHUNK, FP8_CHUNK)][...] = x
 
   def convert_pages(phases):
     """fp8, narrow: the memory warpgroup converts each page piece by piece into its f16 ring slot, puts the
@@ -384,12 +388,9 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
         phases.start("mem_piece_wait")
         plgpu.barrier_wait(piece_bar.at[staged])
         phases.start("mem_convert")
-        for k in range(PIECE_CHUNKS):
-          c = p * PIECE_CHUNKS + k
-          chunk = functools.partial(convert_chunk, pieces.at[staged, :, pl.ds(k * FP8_CHUNK, FP8_CHUNK)],
-                                    kv_smem.at[slot, :, pl.ds(c * FP8_CHUNK, FP8_CHUNK)], page_start)
-          pl.when(last)(functools.partial(chunk, True))
-          pl.when(jnp.logical_not(last))(functools.partial(chunk, False))
+        piece = functools.partial(convert_piece, staged, slot, p, page_start)
+        pl.when(last)(functools.partial(piece, True))
+        pl.when(jnp.logical_not(last))(functools.partial(piece, False))
         # Every thread has read the piece (its slot may be reloaded) and its f16 chunks are visible to wgmma.
         plgpu.commit_smem()
         pages_on, p_next = divmod(p + PIECE_SLOTS, PIECES)  # the piece PIECE_SLOTS on takes the same slot
@@ -501,8 +502,13 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
           plgpu.Barrier(),
       ) + extra,
       # Wide: the row reductions stay inside a warp, and SMEM has no room for scratch. Narrow: the reductions
-      # over the tokens (the rows of S^T) cross the warps, through the default scratch.
-      compiler_params=util.compiler_params(approx_math=True, **({} if narrow else dict(reduction_scratch_bytes=0))),
+      # over the tokens (the rows of S^T) cross the warps, through the default scratch. fp8, narrow: no warpgroup
+      # barrier around every SMEM store (Pallas's default), which the converter paid twice per chunk. That is
+      # safe there: no thread reads and writes one region with plain loads and stores (the converter reads the
+      # staging and writes the ring), and every store that another warpgroup or the async proxy reads is
+      # followed by ``commit_smem`` (a fence and a warpgroup barrier) before the mbarrier that hands it over.
+      compiler_params=util.compiler_params(approx_math=True, unsafe_no_auto_barriers=fp8 and narrow,
+                                           **({} if narrow else dict(reduction_scratch_bytes=0))),
   )
   with mosaic_interpret.interpret_mode(interpret):
     o_parts, lse_parts = kernel(*inputs, block_table, seq_lens)
