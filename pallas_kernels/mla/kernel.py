@@ -52,6 +52,9 @@ PIECE_CHUNKS = 3
 PIECE_COLS = PIECE_CHUNKS * FP8_CHUNK
 PIECES = DIM // PIECE_COLS
 PIECE_SLOTS = 4
+# The converter's register layout: 4 consecutive values of a row per thread, so a 4-byte load per 4 fp8 values
+# and an 8-byte store per 4 f16 values (the WGMMA layout moves 2 values per load and per store).
+CONVERT_LAYOUT = plgpu.Layout.WGMMA_UPCAST_2X
 
 
 def narrow_applies(num_heads: int, cache_dtype) -> bool:
@@ -355,12 +358,12 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     instruction per two values), unscaled; ``masked`` (a sequence's last page) zeroes the rows past ``seq_len``,
     so that ``P @ V`` is NaN-safe there. All of the piece's loads come before its stores: the converter is one
     warp per scheduler, bound by the latency of its shared-memory loads, not by their issue."""
-    chunks = [plgpu.load(pieces.at[staged, :, pl.ds(k * FP8_CHUNK, FP8_CHUNK)], layout=plgpu.Layout.WGMMA,
+    chunks = [plgpu.load(pieces.at[staged, :, pl.ds(k * FP8_CHUNK, FP8_CHUNK)], layout=CONVERT_LAYOUT,
                          optimized=False) for k in range(PIECE_CHUNKS)]
     for k, x in enumerate(chunks):
       x = x.astype(jnp.float16)
       if masked:
-        token = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, FP8_CHUNK), 0, layout=plgpu.Layout.WGMMA)
+        token = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, FP8_CHUNK), 0, layout=CONVERT_LAYOUT)
         x = jnp.where(token < seq_len - page_start, x, 0.0).astype(jnp.float16)
       kv_smem.at[slot, :, pl.ds((p * PIECE_CHUNKS + k) * FP8_CHUNK, FP8_CHUNK)][...] = x
 
