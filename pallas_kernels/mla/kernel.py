@@ -526,8 +526,8 @@ def mla_decode_partials_mosaic(q_abs: jax.Array, kv_cache: jax.Array, block_tabl
   Args:
     q_abs: ``[B, Hq, 576]`` bf16 (Hq is padded to a multiple of 64 rows inside, narrow: of 8; any Hq >= 1).
     kv_cache: ``[pages, 64, 576]`` bf16, or ``[pages, 64, 640]`` fp8 rows with their scales (``cache_format``:
-      dequantised on chip into a bf16 tile). block_table: ``[B, max_pages]`` int32. seq_lens: ``[B]`` int32.
-      Already validated by ``mla_decode``.
+      dequantised on chip into a bf16 tile, narrow: converted unscaled into an f16 tile). block_table:
+      ``[B, max_pages]`` int32. seq_lens: ``[B]`` int32. Already validated by ``mla_decode``.
     scale: softmax scale. num_splits: splits S (each ``pages_per_split`` pages). partial_dtype: bf16/f32.
     interpret: run in Mosaic GPU interpret mode (CPU).
     narrow: the transposed kernel (``S^T = kv @ q^T``, ``O^T = V^T @ P^T``: the heads are the MMA's N), one
