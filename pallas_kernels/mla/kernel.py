@@ -540,8 +540,9 @@ def mla_decode_partials_mosaic(q_abs: jax.Array, kv_cache: jax.Array, block_tabl
     log; an empty split is ``(0, -inf)``.
   """
   if narrow and not narrow_applies(q_abs.shape[1], kv_cache.dtype):
-    raise NotImplementedError(f"the narrow MLA decode kernel takes a bf16 cache and at most {NARROW_MAX_HEADS} "
-                              f"heads, got {q_abs.shape[1]} and {jnp.dtype(kv_cache.dtype).name}")
+    raise NotImplementedError(f"the narrow MLA decode kernel takes at most {NARROW_MAX_HEADS} heads with a bf16 "
+                              f"cache or {FP8_NARROW_MAX_HEADS} with an fp8 one, got {q_abs.shape[1]} and "
+                              f"{jnp.dtype(kv_cache.dtype).name}")
   return _partials(q_abs, kv_cache, block_table, seq_lens, scale=scale, num_splits=num_splits,
                    partial_dtype=jnp.dtype(partial_dtype), narrow=narrow, interpret=interpret,
                    smem_operands=interpret if smem_operands is None else smem_operands)
