@@ -46,7 +46,7 @@ SCALE_WORD0 = DIM // 4  # the words right after the values
 SCALE_COLS = (0, 1)
 TOKEN_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # a per-token vector of a [64, *] page tile
 # fp8 cache, narrow kernel: the memory warpgroup loads each page as three column pieces (three 64-column chunks
-# each) into a four-slot staging ring, and converts each piece into the page's bf16 ring slot as soon as it lands,
+# each) into a four-slot staging ring, and converts each piece into the page's f16 ring slot as soon as it lands,
 # so about four pieces are in flight while it converts.
 PIECE_CHUNKS = 3
 PIECE_COLS = PIECE_CHUNKS * FP8_CHUNK
@@ -64,8 +64,8 @@ def narrow_applies(num_heads: int, cache_dtype) -> bool:
 
 def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_operands: bool, fp8: bool,
           narrow: bool):
-  # fp8 pages: the compute warpgroups dequantise them into one tile (64-row tiles), or the memory warpgroup
-  # converts them into the bf16 ring (narrow), after which the compute warpgroups see a bf16 page.
+  # fp8 pages: the compute warpgroups dequantise them into one bf16 tile (64-row tiles), or the memory warpgroup
+  # converts them unscaled into the f16 ring (narrow), and the compute warpgroups apply the per-token scales.
   dequant, convert = fp8 and not narrow, fp8 and narrow
   if dequant:
     (words_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, row_smem, lse_smem, q_bar, kv_bar,
