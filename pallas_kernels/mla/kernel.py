@@ -146,23 +146,20 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     # A masked row max picks one column (and keeps a NaN scale NaN).
     return tuple(jnp.where(col == c, words, -jnp.inf).max(axis=1) for c in SCALE_COLS)
 
-  def dequantize_chunk(src, dst, c, s_c, s_pe, page_start):
-    """fp8 chunk ``c`` (``[64, 64]`` values at ``src``) into ``dst`` as bf16 ``value * scale`` (the latent chunks
-    by the row's latent scale, the rope chunk by its rope scale); rows past ``seq_len`` become 0, which also makes
-    ``P @ V`` NaN-safe there."""
+  def dequantize(w, slot, page_start):
+    """fp8, 64-row tiles: warpgroup w's column chunks of ring slot ``slot`` into ``kv_tile`` as bf16 ``value *
+    scale`` (the latent chunks by the row's latent scale, the rope chunk by its rope scale); rows past
+    ``seq_len`` become 0, which also makes ``P @ V`` NaN-safe there."""
+    s_c, s_pe = row_scales(scales.at[slot])
     shape = (PAGE_SIZE, FP8_CHUNK)
     valid = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) < seq_len - page_start
-    # e4m3 -> f16 is exact (and the conversion Hopper has); the scale is applied in f32.
-    x = plgpu.load(src, layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float16).astype(jnp.float32)
-    x = x * lax.broadcast_in_dim(s_pe if c * FP8_CHUNK >= LATENT_DIM else s_c, shape, (0,))
-    dst[...] = jnp.where(valid, x, 0.0).astype(dst.dtype)
-
-  def dequantize(w, slot, page_start):
-    """fp8, 64-row tiles: warpgroup w's column chunks of ring slot ``slot`` into ``kv_tile``."""
-    s_c, s_pe = row_scales(scales.at[slot])
     for c in FP8_CHUNKS[w]:
       cols = pl.ds(c * FP8_CHUNK, FP8_CHUNK)
-      dequantize_chunk(raw.at[slot, :, cols], kv_tile.at[:, cols], c, s_c, s_pe, page_start)
+      # e4m3 -> f16 is exact (and the conversion Hopper has); the scale is applied in f32.
+      x = plgpu.load(raw.at[slot, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
+      x = x.astype(jnp.float16).astype(jnp.float32)
+      x = x * lax.broadcast_in_dim(s_pe if c * FP8_CHUNK >= LATENT_DIM else s_c, shape, (0,))
+      kv_tile.at[:, cols][...] = jnp.where(valid, x, 0.0).astype(kv_tile.dtype)
 
   def acquire(i, w):
     """Page i's ``[64, 576]`` bf16 tile for warpgroup w's QK / ``P @ V``. bf16: the ring slot itself. fp8: both
@@ -357,11 +354,13 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     warp per scheduler, bound by the latency of its shared-memory loads, not by their issue."""
     chunks = [plgpu.load(pieces.at[staged, :, pl.ds(k * FP8_CHUNK, FP8_CHUNK)], layout=plgpu.Layout.WGMMA,
                          optimized=False) for k in range(PIECE_CHUNKS)]
+    if masked:
+      token = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, FP8_CHUNK), 0, layout=plgpu.Layout.WGMMA)
+      valid = token < seq_len - page_start
     for k, x in enumerate(chunks):
       x = x.astype(jnp.float16)
       if masked:
-        token = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, FP8_CHUNK), 0, layout=plgpu.Layout.WGMMA)
-        x = jnp.where(token < seq_len - page_start, x, 0.0).astype(jnp.float16)
+        x = jnp.where(valid, x, 0.0).astype(jnp.float16)
       kv_smem.at[slot, :, pl.ds((p * PIECE_CHUNKS + k) * FP8_CHUNK, FP8_CHUNK)][...] = x
 
   def convert_pages(phases):
