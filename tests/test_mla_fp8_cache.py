@@ -296,6 +296,15 @@ def test_cache_writes_take_fp8_rows_exactly_for_an_fp8_cache():
   assert np.asarray(cache_format.dequantize_rows(written, LATENT_DIM))[:, 1:].max() == 0
 
 
+def test_narrow_kernel_entry_names_both_head_limits():
+  q = jnp.zeros((1, 17, DIM), jnp.bfloat16)
+  cache = jnp.zeros((2, PAGE_SIZE, DIM + cache_format.TAIL), FP8)
+  with pytest.raises(NotImplementedError, match="32 heads with a bf16 cache or 16 with an fp8 one, got 17"):
+    mla_kernel.mla_decode_partials_mosaic(q, cache, jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32),
+                                          scale=K3_MLA_SCALE, num_splits=1, partial_dtype=jnp.float32,
+                                          interpret=True, narrow=True)
+
+
 def test_narrow_kernel_refuses_an_fp8_cache_past_16_heads():
   rng = np.random.default_rng(4)
   q, rows, table, lens = _decode_case(rng, [70], heads=17)
