@@ -504,12 +504,16 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
           plgpu.Barrier(),
       ) + extra,
       # Wide: the row reductions stay inside a warp, and SMEM has no room for scratch. Narrow: the reductions
-      # over the tokens (the rows of S^T) cross the warps, through the default scratch. fp8, narrow: no warpgroup
-      # barrier around every SMEM store (Pallas's default), which the converter paid twice per chunk. That is
-      # safe there: no thread reads and writes one region with plain loads and stores (the converter reads the
-      # staging and writes the ring), and every store that another warpgroup or the async proxy reads is
-      # followed by ``commit_smem`` (a fence and a warpgroup barrier) before the mbarrier that hands it over.
-      compiler_params=util.compiler_params(approx_math=True, unsafe_no_auto_barriers=fp8 and narrow,
+      # over the tokens (the rows of S^T) cross the warps, through the default scratch. No warpgroup barrier
+      # around every SMEM store (Pallas's default), which the fp8 converter paid twice per chunk and the leader
+      # twice for each page's P and alpha, except with 64-row fp8 tiles (their P and bf16 tile share memory with
+      # the slot that both warpgroups read). That is safe: every store that another warp, warpgroup or the
+      # async proxy reads is followed by ``commit_smem`` (a fence and a warpgroup barrier) before the mbarrier
+      # that hands it over. The follower has arrived on ``p_free_bar`` before the leader overwrites P and alpha;
+      # the leader's own ``P @ V`` reads P^T whole in every warp (narrow), but its warps meet in the softmax's
+      # reductions across warps before the next P, or reads only each warp's own rows of P (64-row tiles). The
+      # bf16 tail zeroing reads and writes the same rows in the same warp.
+      compiler_params=util.compiler_params(approx_math=True, unsafe_no_auto_barriers=not (fp8 and not narrow),
                                            **({} if narrow else dict(reduction_scratch_bytes=0))),
   )
   with mosaic_interpret.interpret_mode(interpret):
