@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from layer_oracles import tiny
+from test_mla_kernel import _poisoned_inputs
 from test_model import T, Runner, tokens_for
 
 from k3jax import ops
@@ -172,6 +173,35 @@ def test_kernel_over_fp8_rows_is_attention_over_their_values(kernel_impl, partia
   assert rel.max() < 2 * KERNEL_O_REL_L2[partial_dtype]
 
 
+@pytest.mark.parametrize("narrow", [True, False])
+def test_non_finite_fp8_rows_propagate_and_unused_rows_do_not(kernel_impl, narrow):
+  """test_mla_kernel's poisoned batch in fp8 rows: a NaN or inf written into a token's row makes that part's scale
+  non-finite, so the row reads back NaN, and the heads that attend to it (and those of a non-finite q) are
+  non-finite exactly where the oracle of the decoded rows has them; the empty sequence stays (0, -inf), the
+  poisoned unused pages never reach the result, and the clean heads match. Narrow: the f16 kernel, which applies
+  the scales to S and P (its page's largest scale then is non-finite too); else the 64-row tiles."""
+  q, rows, table, lens = _poisoned_inputs()
+  cache = cache_format.quantize_rows(rows.astype(jnp.float32), FP8, LATENT_DIM)
+  with np.errstate(invalid="ignore"):
+    o_ref, lse_ref = mla_decode_oracle(q, np_decode_rows(np.asarray(cache), rounded=not narrow), table, lens,
+                                       scale=K3_MLA_SCALE)
+  bad = ~np.isfinite(o_ref).all(axis=-1)
+  assert bad[0].all() and bad[1].all() and bad[2].tolist() == [False, True, False, False]
+  assert bad[5].tolist() == [False, False, True, False] and not bad[[3, 4]].any()
+  for num_splits in (1, 3):
+    o, lse = mla_decode(q, cache, table, lens, out_dtype=jnp.float32,
+                        config=MlaDecodeConfig(scale=K3_MLA_SCALE, partial_dtype=jnp.float32, impl=kernel_impl,
+                                               tuning=MlaDecodeTuning(num_splits=num_splits, narrow=narrow)))
+    o, lse = np.asarray(o, np.float64), np.asarray(lse)
+    np.testing.assert_array_equal(~np.isfinite(o).all(axis=-1), bad)
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(lse_ref))
+    assert (o[3] == 0).all() and np.isneginf(lse[3]).all()
+    live = ~bad & (np.asarray(lens) > 0)[:, None]
+    rel = np.linalg.norm(o[live] - o_ref[live], axis=-1) / np.linalg.norm(o_ref[live], axis=-1)
+    assert rel.max() < KERNEL_O_REL_L2[jnp.float32]
+    np.testing.assert_allclose(lse[live], lse_ref[live], atol=5e-5, rtol=0)
+
+
 @pytest.mark.parametrize("impl", ["interpret", "pallas"])
 def test_kernels_refuse_a_non_bf16_query(impl):
   rng = np.random.default_rng(3)
@@ -264,6 +294,15 @@ def test_cache_writes_take_fp8_rows_exactly_for_an_fp8_cache():
   written = ops.mesh_write_rows(fp8_cache, cache_format.quantize_rows(rows, FP8, LATENT_DIM), table, seq, pos)
   np.testing.assert_array_equal(np.asarray(cache_format.dequantize_rows(written[0, :1], LATENT_DIM)), rows)
   assert np.asarray(cache_format.dequantize_rows(written, LATENT_DIM))[:, 1:].max() == 0
+
+
+def test_narrow_kernel_entry_names_both_head_limits():
+  q = jnp.zeros((1, 17, DIM), jnp.bfloat16)
+  cache = jnp.zeros((2, PAGE_SIZE, DIM + cache_format.TAIL), FP8)
+  with pytest.raises(NotImplementedError, match="32 heads with a bf16 cache or 16 with an fp8 one, got 17"):
+    mla_kernel.mla_decode_partials_mosaic(q, cache, jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32),
+                                          scale=K3_MLA_SCALE, num_splits=1, partial_dtype=jnp.float32,
+                                          interpret=True, narrow=True)
 
 
 def test_narrow_kernel_refuses_an_fp8_cache_past_16_heads():

@@ -46,7 +46,7 @@ SCALE_WORD0 = DIM // 4  # the words right after the values
 SCALE_COLS = (0, 1)
 TOKEN_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # a per-token vector of a [64, *] page tile
 # fp8 cache, narrow kernel: the memory warpgroup loads each page as three column pieces (three 64-column chunks
-# each) into a four-slot staging ring, and converts each piece into the page's bf16 ring slot as soon as it lands,
+# each) into a four-slot staging ring, and converts each piece into the page's f16 ring slot as soon as it lands,
 # so about four pieces are in flight while it converts.
 PIECE_CHUNKS = 3
 PIECE_COLS = PIECE_CHUNKS * FP8_CHUNK
@@ -64,8 +64,8 @@ def narrow_applies(num_heads: int, cache_dtype) -> bool:
 
 def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_operands: bool, fp8: bool,
           narrow: bool):
-  # fp8 pages: the compute warpgroups dequantise them into one tile (64-row tiles), or the memory warpgroup
-  # converts them into the bf16 ring (narrow), after which the compute warpgroups see a bf16 page.
+  # fp8 pages: the compute warpgroups dequantise them into one bf16 tile (64-row tiles), or the memory warpgroup
+  # converts them unscaled into the f16 ring (narrow), and the compute warpgroups apply the per-token scales.
   dequant, convert = fp8 and not narrow, fp8 and narrow
   if dequant:
     (words_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, row_smem, lse_smem, q_bar, kv_bar,
@@ -146,23 +146,20 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     # A masked row max picks one column (and keeps a NaN scale NaN).
     return tuple(jnp.where(col == c, words, -jnp.inf).max(axis=1) for c in SCALE_COLS)
 
-  def dequantize_chunk(src, dst, c, s_c, s_pe, page_start):
-    """fp8 chunk ``c`` (``[64, 64]`` values at ``src``) into ``dst`` as bf16 ``value * scale`` (the latent chunks
-    by the row's latent scale, the rope chunk by its rope scale); rows past ``seq_len`` become 0, which also makes
-    ``P @ V`` NaN-safe there."""
+  def dequantize(w, slot, page_start):
+    """fp8, 64-row tiles: warpgroup w's column chunks of ring slot ``slot`` into ``kv_tile`` as bf16 ``value *
+    scale`` (the latent chunks by the row's latent scale, the rope chunk by its rope scale); rows past
+    ``seq_len`` become 0, which also makes ``P @ V`` NaN-safe there."""
+    s_c, s_pe = row_scales(scales.at[slot])
     shape = (PAGE_SIZE, FP8_CHUNK)
     valid = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) < seq_len - page_start
-    # e4m3 -> f16 is exact (and the conversion Hopper has); the scale is applied in f32.
-    x = plgpu.load(src, layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float16).astype(jnp.float32)
-    x = x * lax.broadcast_in_dim(s_pe if c * FP8_CHUNK >= LATENT_DIM else s_c, shape, (0,))
-    dst[...] = jnp.where(valid, x, 0.0).astype(dst.dtype)
-
-  def dequantize(w, slot, page_start):
-    """fp8, 64-row tiles: warpgroup w's column chunks of ring slot ``slot`` into ``kv_tile``."""
-    s_c, s_pe = row_scales(scales.at[slot])
     for c in FP8_CHUNKS[w]:
       cols = pl.ds(c * FP8_CHUNK, FP8_CHUNK)
-      dequantize_chunk(raw.at[slot, :, cols], kv_tile.at[:, cols], c, s_c, s_pe, page_start)
+      # e4m3 -> f16 is exact (and the conversion Hopper has); the scale is applied in f32.
+      x = plgpu.load(raw.at[slot, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
+      x = x.astype(jnp.float16).astype(jnp.float32)
+      x = x * lax.broadcast_in_dim(s_pe if c * FP8_CHUNK >= LATENT_DIM else s_c, shape, (0,))
+      kv_tile.at[:, cols][...] = jnp.where(valid, x, 0.0).astype(kv_tile.dtype)
 
   def acquire(i, w):
     """Page i's ``[64, 576]`` bf16 tile for warpgroup w's QK / ``P @ V``. bf16: the ring slot itself. fp8: both
@@ -357,11 +354,13 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     warp per scheduler, bound by the latency of its shared-memory loads, not by their issue."""
     chunks = [plgpu.load(pieces.at[staged, :, pl.ds(k * FP8_CHUNK, FP8_CHUNK)], layout=plgpu.Layout.WGMMA,
                          optimized=False) for k in range(PIECE_CHUNKS)]
+    if masked:
+      token = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, FP8_CHUNK), 0, layout=plgpu.Layout.WGMMA)
+      valid = token < seq_len - page_start
     for k, x in enumerate(chunks):
       x = x.astype(jnp.float16)
       if masked:
-        token = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, FP8_CHUNK), 0, layout=plgpu.Layout.WGMMA)
-        x = jnp.where(token < seq_len - page_start, x, 0.0).astype(jnp.float16)
+        x = jnp.where(valid, x, 0.0).astype(jnp.float16)
       kv_smem.at[slot, :, pl.ds((p * PIECE_CHUNKS + k) * FP8_CHUNK, FP8_CHUNK)][...] = x
 
   def convert_pages(phases):
@@ -526,8 +525,8 @@ def mla_decode_partials_mosaic(q_abs: jax.Array, kv_cache: jax.Array, block_tabl
   Args:
     q_abs: ``[B, Hq, 576]`` bf16 (Hq is padded to a multiple of 64 rows inside, narrow: of 8; any Hq >= 1).
     kv_cache: ``[pages, 64, 576]`` bf16, or ``[pages, 64, 640]`` fp8 rows with their scales (``cache_format``:
-      dequantised on chip into a bf16 tile). block_table: ``[B, max_pages]`` int32. seq_lens: ``[B]`` int32.
-      Already validated by ``mla_decode``.
+      dequantised on chip into a bf16 tile, narrow: converted unscaled into an f16 tile). block_table:
+      ``[B, max_pages]`` int32. seq_lens: ``[B]`` int32. Already validated by ``mla_decode``.
     scale: softmax scale. num_splits: splits S (each ``pages_per_split`` pages). partial_dtype: bf16/f32.
     interpret: run in Mosaic GPU interpret mode (CPU).
     narrow: the transposed kernel (``S^T = kv @ q^T``, ``O^T = V^T @ P^T``: the heads are the MMA's N), one
@@ -540,8 +539,9 @@ def mla_decode_partials_mosaic(q_abs: jax.Array, kv_cache: jax.Array, block_tabl
     log; an empty split is ``(0, -inf)``.
   """
   if narrow and not narrow_applies(q_abs.shape[1], kv_cache.dtype):
-    raise NotImplementedError(f"the narrow MLA decode kernel takes a bf16 cache and at most {NARROW_MAX_HEADS} "
-                              f"heads, got {q_abs.shape[1]} and {jnp.dtype(kv_cache.dtype).name}")
+    raise NotImplementedError(f"the narrow MLA decode kernel takes at most {NARROW_MAX_HEADS} heads with a bf16 "
+                              f"cache or {FP8_NARROW_MAX_HEADS} with an fp8 one, got {q_abs.shape[1]} and "
+                              f"{jnp.dtype(kv_cache.dtype).name}")
   return _partials(q_abs, kv_cache, block_table, seq_lens, scale=scale, num_splits=num_splits,
                    partial_dtype=jnp.dtype(partial_dtype), narrow=narrow, interpret=interpret,
                    smem_operands=interpret if smem_operands is None else smem_operands)
