@@ -126,13 +126,13 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     g_pad[pl.ds(SUB, C), :] = G
     plgpu.commit_smem()
     g_last = plgpu.load(g_pad.at[SUB + C - 1], layout=COLV, optimized=False)
-    for b in range(nblk):
-      anchors_s[b] = plgpu.load(g_pad.at[SUB + b * blk_rows + off], layout=COLV, optimized=False)
+    anchors = [plgpu.load(g_pad.at[SUB + b * blk_rows + off], layout=COLV, optimized=False) for b in range(nblk)]
+    for b, nu_b in enumerate(anchors):
+      anchors_s[b] = nu_b
     # Row factor 2^(G[r] - G[anchor of r's block]): a block is one warp's rows (16) or two warps' (32).
     blk = iota((C, K), 0) // blk_rows
     ex = G
-    for b in range(nblk):
-      nu_b = plgpu.load(anchors_s.at[b], layout=COLV, optimized=False)
+    for b, nu_b in enumerate(anchors):
       ex = jnp.where(blk == b, G - bcast_cols(nu_b, (C, K)), ex)
     d_row = jnp.exp2(ex)
 
@@ -255,6 +255,8 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     s = 2
     while s < C:
       p16 = p.astype(bf16)
+      if s > 2:
+        plgpu.commit_smem()  # every warp's last product has read p_s (each warp's tensor core reads B itself)
       p_s[...] = p16
       plgpu.commit_smem()
       mask = (r64 // (2 * s) == c64 // (2 * s)) & (r64 // s != c64 // s)
@@ -321,6 +323,9 @@ def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_t: jax
              plgpu.Barrier(num_arrivals=1, num_barriers=1), plgpu.Barrier(num_arrivals=3, num_barriers=1)]
   body = functools.partial(_prep_body, K=K, V=V, scale=scale, lower_bound=lower_bound,
                            smem_operands=smem_operands)
+  # No warpgroup barrier around every SMEM store (Pallas's default, two per store): the body synchronises its
+  # warps itself, with a commit_smem (a fence and a warpgroup barrier) wherever a store's memory was read by
+  # other warps (their loads or their wgmmas) or is read by them next, and the TMA store waits end in one too.
   return plgpu.kernel(body, out_type=out_type, grid=(S, H), grid_names=("c", "h"), scratch_types=scratch,
-                      compiler_params=util.compiler_params(approx_math=True))(
+                      compiler_params=util.compiler_params(approx_math=True, unsafe_no_auto_barriers=True))(
       chunk_tok, chunk_len, q, k, v, g_raw, beta_t, A_log, dt_bias)

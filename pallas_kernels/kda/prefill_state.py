@@ -200,9 +200,12 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
       plgpu.Barrier(num_arrivals=5 + wgs, num_barriers=NBUF), plgpu.Barrier(num_arrivals=wgs, num_barriers=NBUF),
       plgpu.Barrier(num_arrivals=1, num_barriers=wgs),
   ]
+  # No warpgroup barrier around every SMEM store (Pallas's default, two per store, three stores per chunk):
+  # each stash is stored after a commit_smem or a TMA store wait (both end in a warpgroup barrier) that follows
+  # every warp's last read of it, and read only after the commit_smem that follows the store.
   return plgpu.kernel(
       functools.partial(_state_body, K=K, wgs=wgs),
       out_type=jax.ShapeDtypeStruct((T, H, V), out_dtype),
       grid=(V // (BV * wgs), H, N), grid_names=("v", "h", "n"), num_threads=wgs, thread_name="wg",
-      scratch_types=scratch, compiler_params=util.compiler_params(),
+      scratch_types=scratch, compiler_params=util.compiler_params(unsafe_no_auto_barriers=True),
   )(*seq_meta, *ck_meta, qg, kg, neg_w, u, aqk, chunk_decay, pool_ref)
