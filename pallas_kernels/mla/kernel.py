@@ -5,7 +5,8 @@ sequence) for all heads with the products transposed (the heads as the MMA's N);
 the sequence's pages by TMA into a two-slot ring that two compute warpgroups share (QK and the softmax on one,
 ``P @ V`` split by output columns over both). An fp8 cache (``cache_format``) is read on chip: with 64-row
 tiles the compute warpgroups dequantise each page into one bf16 tile; in the narrow kernel the memory warpgroup
-converts it to f16 unscaled into the ring (e4m3 -> f16 is exact and one instruction per two values), q is
+(and for each page's last piece the follower) converts it to f16 unscaled into the ring (e4m3 -> f16 is exact
+and one instruction per two values), q is
 taken in f16 (a q beyond f16's 65,504 gives inf, so NaN outputs), and the compute warpgroups apply the
 per-token scales to the logits and to P. See README.md for the derivation, the NaN rules, the fp8 pages and the
 SMEM budget.
@@ -45,13 +46,17 @@ SCALE_WORDS = 8
 SCALE_WORD0 = DIM // 4  # the words right after the values
 SCALE_COLS = (0, 1)
 TOKEN_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # a per-token vector of a [64, *] page tile
-# fp8 cache, narrow kernel: the memory warpgroup loads each page as three column pieces (three 64-column chunks
-# each) into a four-slot staging ring, and converts each piece into the page's f16 ring slot as soon as it lands,
-# so about four pieces are in flight while it converts.
+# fp8 cache, narrow kernel: each page is loaded as three column pieces (three 64-column chunks each) and each
+# piece is converted into the page's f16 ring slot as soon as it lands. The memory warpgroup converts the first
+# MEM_PIECES of every page through a MEM_SLOTS-slot staging ring (so about three pieces are in flight while it
+# converts); the follower, idle while the leader computes QK and the softmax, converts the last piece of the next
+# page through a staging slot of its own.
 PIECE_CHUNKS = 3
 PIECE_COLS = PIECE_CHUNKS * FP8_CHUNK
 PIECES = DIM // PIECE_COLS
-PIECE_SLOTS = 4
+MEM_PIECES = PIECES - 1
+MEM_SLOTS = 3
+PIECE_SLOTS = MEM_SLOTS + 1  # the last one: the follower's
 # The converter's register layout: 4 consecutive values of a row per thread, so a 4-byte load per 4 fp8 values
 # and an 8-byte store per 4 f16 values (the WGMMA layout moves 2 values per load and per store).
 CONVERT_LAYOUT = plgpu.Layout.WGMMA_UPCAST_2X
@@ -320,6 +325,9 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
       if not fp8:
         zero_v_tail(tile, cols, (first_page + i) * PAGE_SIZE)
         plgpu.commit_smem()
+      if convert:  # while the leader computes QK and the softmax of page i
+        phases.start("wg1_convert")
+        pl.when(i + 1 < num_pages)(lambda: convert_last_piece(i + 1))
       phases.start("wg1_p_wait")
       plgpu.barrier_wait(p_ready_bar)
       phases.start("wg1_pv")
@@ -329,20 +337,24 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
       phases.end()
       return acc
 
+    if convert:
+      pl.when(num_pages > 0)(lambda: convert_last_piece(0))
     acc = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
     acc = lax.fori_loop(0, num_pages, page_step, acc)
     plgpu.barrier_wait(p_ready_bar)  # the leader's 1 / l, and the leader is done with the ring
     epilogue(1, acc, plgpu.load(row_smem, layout=head_layout))
     plgpu.wait_smem_to_gmem(0)
 
-  pl.when(wg == 0)(leader)
-  pl.when(wg == 1)(follower)
+  def staging_slot(i, p):
+    """fp8, narrow: the staging slot of page i's piece p (static): the memory warpgroup's pieces in turn over
+    its ``MEM_SLOTS`` slots, the last piece of every page in the follower's slot."""
+    return MEM_SLOTS if p == MEM_PIECES else lax.rem(i * MEM_PIECES + p, MEM_SLOTS)
 
   def issue_piece(i, p):
-    """fp8, narrow: the TMA of page i's column piece p (static) into staging slot ``(PIECES * i + p) %
-    PIECE_SLOTS``, and with its first piece the page's scale words."""
+    """fp8, narrow: the TMA of page i's column piece p (static) into its staging slot, and with its first
+    piece the page's scale words."""
     page = table_ref[b, first_page + i]
-    staged = lax.rem(i * PIECES + p, PIECE_SLOTS)
+    staged = staging_slot(i, p)
     plgpu.copy_gmem_to_smem(kv_ref.at[page, :, pl.ds(p * PIECE_COLS, PIECE_COLS)], pieces.at[staged],
                             piece_bar.at[staged])
     if p == 0:
@@ -366,13 +378,30 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
         x = jnp.where(valid, x, 0.0).astype(jnp.float16)
       kv_smem.at[slot, :, pl.ds((p * PIECE_CHUNKS + k) * FP8_CHUNK, FP8_CHUNK)][...] = x
 
+  def convert_last_piece(i):
+    """fp8, narrow, on the follower: page i's last piece into its ring slot (once the slot's previous page is
+    consumed, as the memory warpgroup waits for it too), the load of page i + 1's last piece into the freed
+    staging slot, and the follower's arrival on the page's ``kv_bar``."""
+    slot = lax.rem(i, STAGES)
+    pl.when(i >= STAGES)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
+    plgpu.barrier_wait(piece_bar.at[MEM_SLOTS])
+    page_start = (first_page + i) * PAGE_SIZE
+    piece = functools.partial(convert_piece, MEM_SLOTS, slot, MEM_PIECES, page_start)
+    last = page_start + PAGE_SIZE > seq_len
+    pl.when(last)(functools.partial(piece, True))
+    pl.when(jnp.logical_not(last))(functools.partial(piece, False))
+    plgpu.commit_smem()
+    pl.when(i + 1 < num_pages)(functools.partial(issue_piece, i + 1, MEM_PIECES))
+    plgpu.barrier_arrive(kv_bar.at[slot])
+
   def convert_pages(phases):
     """fp8, narrow: the memory warpgroup converts each page piece by piece into its f16 ring slot, puts the
     page's two per-token scale vectors beside it (the compute warpgroups apply them), and reloads a staging
     slot as soon as its piece is converted."""
-    for h in range(PIECE_SLOTS):
-      i, p = divmod(h, PIECES)
+    for h in range(MEM_SLOTS):
+      i, p = divmod(h, MEM_PIECES)
       pl.when(i < num_pages)(functools.partial(issue_piece, i, p))
+    pl.when(num_pages > 0)(functools.partial(issue_piece, 0, MEM_PIECES))  # the follower's first piece
 
     @pl.loop(0, num_pages)
     def _(i):
@@ -385,8 +414,8 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
         ring_scales.at[slot, k][...] = scales_k
       page_start = (first_page + i) * PAGE_SIZE
       last = page_start + PAGE_SIZE > seq_len
-      for p in range(PIECES):
-        staged = lax.rem(i * PIECES + p, PIECE_SLOTS)
+      for p in range(MEM_PIECES):
+        staged = staging_slot(i, p)
         phases.start("mem_piece_wait")
         plgpu.barrier_wait(piece_bar.at[staged])
         phases.start("mem_convert")
@@ -395,10 +424,13 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
         pl.when(jnp.logical_not(last))(functools.partial(piece, False))
         # Every thread has read the piece (its slot may be reloaded) and its f16 chunks are visible to wgmma.
         plgpu.commit_smem()
-        pages_on, p_next = divmod(p + PIECE_SLOTS, PIECES)  # the piece PIECE_SLOTS on takes the same slot
+        pages_on, p_next = divmod(p + MEM_SLOTS, MEM_PIECES)  # the piece MEM_SLOTS on takes the same slot
         pl.when(i + pages_on < num_pages)(functools.partial(issue_piece, i + pages_on, p_next))
       plgpu.barrier_arrive(kv_bar.at[slot])
       phases.end()
+
+  pl.when(wg == 0)(leader)
+  pl.when(wg == 1)(follower)
 
   @pl.when(wg == COMPUTE_WGS)
   def _memory():
@@ -458,9 +490,10 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
                                          transforms=(plgpu.TilingTransform((8, FP8_TILE_COLS)),
                                                      plgpu.SwizzleTransform(FP8_TILE_COLS)))
   if fp8 and narrow:
-    # An f16 ring, which the memory warpgroup fills from the fp8 staging slots, and the per-token scales beside it.
+    # An f16 ring, which the memory warpgroup and the follower fill from the fp8 staging slots (a page is ready
+    # when both have arrived), and the per-token scales beside it.
     ring = plgpu.RefUnion(tile((STAGES, PAGE_SIZE, DIM), tile_dtype), o_stage)
-    kv_bar = plgpu.Barrier(num_barriers=STAGES)
+    kv_bar = plgpu.Barrier(num_arrivals=2, num_barriers=STAGES)
     extra = (fp8_slots(PIECE_SLOTS, PIECE_COLS), plgpu.SMEM((STAGES, PAGE_SIZE, SCALE_WORDS), jnp.float32),
              plgpu.Barrier(num_barriers=PIECE_SLOTS), plgpu.Barrier(num_barriers=STAGES),
              plgpu.SMEM((STAGES, 2, PAGE_SIZE), jnp.float32))
