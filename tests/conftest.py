@@ -6,7 +6,7 @@ import os
 
 # The CPU client's thread pool (tsl reads NPROC): interpret mode runs each warpgroup of a kernel as a thread that
 # blocks in barrier waits on that pool, and with 2 cores the narrow MLA kernel's memory warpgroup (which
-# dequantises an fp8 cache) could not get a thread while both compute warpgroups waited for it.
+# converts an fp8 cache) could not get a thread while both compute warpgroups waited for it.
 os.environ.setdefault("NPROC", "8")
 
 import jax  # noqa: E402

@@ -36,8 +36,8 @@ LOG2E = util.LOG2E
 LN2 = math.log(2.0)
 INIT_MAX = -1e30  # finite: exp2(INIT_MAX - m) is 0 and never (-inf) - (-inf)
 # fp8 cache (cache_format): the values of a page land in an fp8 ring slot, its rows' scales as f32 words (8 words
-# from word 144 of each 160-word row: the scales are its columns 0 and 1), and both
-# compute warpgroups dequantise the slot into one bf16 tile, 64 columns at a time (latent chunks 0-7, rope 8).
+# from word 144 of each 160-word row: the scales are its columns 0 and 1). With 64-row tiles both compute
+# warpgroups dequantise the slot into one bf16 tile, 64 columns at a time (latent chunks 0-7, rope 8).
 FP8_CHUNK = 64
 FP8_TILE_COLS = 64  # divides the 640-byte rows of the source; 64-byte swizzled tiles
 FP8_CHUNKS = (tuple(range(5)), tuple(range(5, DIM // FP8_CHUNK)))
