@@ -147,12 +147,18 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     """
     pl.when(i + STAGES < num_pages)(lambda: plgpu.barrier_arrive(consumed_bar.at[slot]))
 
-  def row_scales(words_ref):
-    """A page's ``[64, 8]`` scale words as two row vectors, the latent and the rope scales."""
-    col = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, SCALE_WORDS), 1, layout=plgpu.Layout.WGMMA)
+  def row_scales(words_ref, valid_rows=None):
+    """A page's ``[64, 8]`` scale words as row vectors: the latent and the rope scales, and given the number of
+    ``valid_rows`` also the latent scales with 0 on the rows past them."""
+    shape = (PAGE_SIZE, SCALE_WORDS)
+    col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
     words = plgpu.load(words_ref, layout=plgpu.Layout.WGMMA, optimized=False)
+    picks = [(c, words) for c in SCALE_COLS]
+    if valid_rows is not None:
+      row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+      picks.append((SCALE_COLS[0], jnp.where(row < valid_rows, words, 0.0)))
     # A masked row max picks one column (and keeps a NaN scale NaN).
-    return tuple(jnp.where(col == c, words, -jnp.inf).max(axis=1) for c in SCALE_COLS)
+    return tuple(jnp.where(col == c, x, -jnp.inf).max(axis=1) for c, x in picks)
 
   def dequantize(w, slot, page_start):
     """fp8, 64-row tiles: warpgroup w's column chunks of ring slot ``slot`` into ``kv_tile`` as bf16 ``value *
@@ -266,9 +272,9 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
       if convert:
         # The latent scales enter P @ V through P, relative to the page's largest (so P stays in [0, 1], clear of
         # f16's subnormals); the accumulator is kept in units of the current page's largest scale, hence alpha's
-        # extra factor. The rows past seq_len are 0 (their scale words may be anything); a NaN scale propagates.
-        page_scale = jnp.where(valid, s_c, 0.0).max(axis=token_axis)
-        p = jnp.where(valid, p * (s_c / along_heads(page_scale, shape)), 0.0)
+        # extra factor. The follower's page_scales wrote both (the ratios are 0 past seq_len, where P is 0 too).
+        p = p * lax.broadcast_in_dim(plgpu.load(ring_scales.at[slot, 2], layout=TOKEN_LAYOUT), shape, (0,))
+        page_scale = plgpu.load(ring_scales.at[slot, 3, pl.ds(0, rows)], layout=head_layout)
         alpha = alpha * (v_scale / page_scale)
         v_scale = page_scale
       (p_ref.T if narrow else p_ref)[...] = p.astype(p_ref.dtype)
@@ -351,13 +357,13 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     return MEM_SLOTS if p == MEM_PIECES else lax.rem(i * MEM_PIECES + p, MEM_SLOTS)
 
   def issue_piece(i, p):
-    """fp8, narrow: the TMA of page i's column piece p (static) into its staging slot, and with its first
-    piece the page's scale words."""
+    """fp8, narrow: the TMA of page i's column piece p (static) into its staging slot, and with its last piece
+    (the follower's) the page's scale words."""
     page = table_ref[b, first_page + i]
     staged = staging_slot(i, p)
     plgpu.copy_gmem_to_smem(kv_ref.at[page, :, pl.ds(p * PIECE_COLS, PIECE_COLS)], pieces.at[staged],
                             piece_bar.at[staged])
-    if p == 0:
+    if p == MEM_PIECES:
       s = lax.rem(i, STAGES)
       plgpu.copy_gmem_to_smem(words_ref.at[page, :, pl.ds(SCALE_WORD0, SCALE_WORDS)], piece_scales.at[s],
                               scale_bar.at[s])
@@ -378,10 +384,27 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
         x = jnp.where(valid, x, 0.0).astype(jnp.float16)
       kv_smem.at[slot, :, pl.ds((p * PIECE_CHUNKS + k) * FP8_CHUNK, FP8_CHUNK)][...] = x
 
+  def page_scales(slot, page_start):
+    """fp8, narrow, on the follower: a page's scale vectors beside its ring slot, for the leader: the latent and
+    the rope scales (rows 0 and 1, for S), the latent scales over their largest on the page's valid rows (row 2,
+    0 past ``seq_len``, for P) and that largest, repeated (row 3, for alpha). A NaN scale propagates to all."""
+    plgpu.barrier_wait(scale_bar.at[slot])
+    s_c, s_pe, s_valid = row_scales(piece_scales.at[slot], seq_len - page_start)
+    # The largest over the rows of all four warps without the reduction scratch, which the leader's softmax uses
+    # at the same time: the valid scales through SMEM (row 4), read back by every thread as a column vector and
+    # reduced along a row of a broadcast [64, 64] tile, inside each warp.
+    ring_scales.at[slot, 4][...] = s_valid
+    plgpu.commit_smem()
+    every = plgpu.load(ring_scales.at[slot, 4], layout=plgpu.Layout.WGMMA.reduce(0))
+    top = lax.broadcast_in_dim(every, (PAGE_SIZE, PAGE_SIZE), (1,)).max(axis=1)
+    for k, v in enumerate((s_c, s_pe, s_valid / top, top)):
+      ring_scales.at[slot, k][...] = v
+
   def convert_last_piece(i):
-    """fp8, narrow, on the follower: page i's last piece into its ring slot (once the slot's previous page is
-    consumed, as the memory warpgroup waits for it too), the load of page i + 1's last piece into the freed
-    staging slot, and the follower's arrival on the page's ``kv_bar``."""
+    """fp8, narrow, on the follower: page i's last piece into its ring slot and the page's scale vectors beside
+    it (once the slot's previous page is consumed, as the memory warpgroup waits for it too), the loads of page
+    i + 1's last piece and scale words into the freed staging, and the follower's arrival on the page's
+    ``kv_bar``."""
     slot = lax.rem(i, STAGES)
     pl.when(i >= STAGES)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
     plgpu.barrier_wait(piece_bar.at[MEM_SLOTS])
@@ -390,14 +413,14 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     last = page_start + PAGE_SIZE > seq_len
     pl.when(last)(functools.partial(piece, True))
     pl.when(jnp.logical_not(last))(functools.partial(piece, False))
+    page_scales(slot, page_start)
     plgpu.commit_smem()
     pl.when(i + 1 < num_pages)(functools.partial(issue_piece, i + 1, MEM_PIECES))
     plgpu.barrier_arrive(kv_bar.at[slot])
 
   def convert_pages(phases):
-    """fp8, narrow: the memory warpgroup converts each page piece by piece into its f16 ring slot, puts the
-    page's two per-token scale vectors beside it (the compute warpgroups apply them), and reloads a staging
-    slot as soon as its piece is converted."""
+    """fp8, narrow: the memory warpgroup converts each page's first pieces into its f16 ring slot and reloads a
+    staging slot as soon as its piece is converted."""
     for h in range(MEM_SLOTS):
       i, p = divmod(h, MEM_PIECES)
       pl.when(i < num_pages)(functools.partial(issue_piece, i, p))
@@ -408,10 +431,6 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
       slot = lax.rem(i, STAGES)
       phases.start("mem_slot_wait")
       pl.when(i >= STAGES)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
-      phases.start("mem_scale_wait")
-      plgpu.barrier_wait(scale_bar.at[slot])
-      for k, scales_k in enumerate(row_scales(piece_scales.at[slot])):
-        ring_scales.at[slot, k][...] = scales_k
       page_start = (first_page + i) * PAGE_SIZE
       last = page_start + PAGE_SIZE > seq_len
       for p in range(MEM_PIECES):
@@ -496,7 +515,7 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
     kv_bar = plgpu.Barrier(num_arrivals=2, num_barriers=STAGES)
     extra = (fp8_slots(PIECE_SLOTS, PIECE_COLS), plgpu.SMEM((STAGES, PAGE_SIZE, SCALE_WORDS), jnp.float32),
              plgpu.Barrier(num_barriers=PIECE_SLOTS), plgpu.Barrier(num_barriers=STAGES),
-             plgpu.SMEM((STAGES, 2, PAGE_SIZE), jnp.float32))
+             plgpu.SMEM((STAGES, 5, PAGE_SIZE), jnp.float32))
   elif fp8:
     # Three groups from the same offset: the fp8 ring (then the scales and the bf16 tile); P of each page in the
     # first rows of its ring slot (a slot's values are in the tile before P is written, and the slot is reloaded
