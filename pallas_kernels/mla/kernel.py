@@ -6,10 +6,9 @@ the sequence's pages by TMA into a two-slot ring that two compute warpgroups sha
 ``P @ V`` split by output columns over both). An fp8 cache (``cache_format``) is read on chip: with 64-row
 tiles the compute warpgroups dequantise each page into one bf16 tile; in the narrow kernel the memory warpgroup
 (and for each page's last piece the follower) converts it to f16 unscaled into the ring (e4m3 -> f16 is exact
-and one instruction per two values), q is
-taken in f16 (a q beyond f16's 65,504 gives inf, so NaN outputs), and the compute warpgroups apply the
-per-token scales to the logits and to P. See README.md for the derivation, the NaN rules, the fp8 pages and the
-SMEM budget.
+and one instruction per two values), q is taken in f16 (a q beyond f16's 65,504 gives inf, so NaN outputs), and
+the leader applies the per-token scales to the logits and to P. See README.md for the derivation, the NaN rules,
+the fp8 pages and the SMEM budget.
 """
 
 import functools
