@@ -22,12 +22,17 @@ SMALL = dict(lens=(70, 0, 30), H=1, K=64, V=64)
 SMALL_PAIR = dict(lens=(70, 0, 30), H=1, K=64, V=128)  # two V-blocks: one program or two
 SMALL_WIDE = dict(lens=(70, 0, 30), H=1, K=128, V=128)  # the model's head size, also in interpret mode
 LARGE = dict(lens=(0, 1, 63, 64, 65, 1300), H=4, K=128, V=128)
+# A checkpoint after every chunk: each chunk's inputs then land in a ring stage that the previous checkpoint's
+# stores were still reading, at a size where the warpgroups' timing varies (races show on the GPU only).
+EVERY_CHUNK = dict(lens=(1300, 1, 640, 700), H=8, K=128, V=128, ck_step=64)
 POISON = 1e30
 
 
-def _problem(seed: int, lens, H: int, K: int, V: int, *, saturated: bool, state_dtype, lower_bound):
+def _problem(seed: int, lens, H: int, K: int, V: int, *, saturated: bool, state_dtype, lower_bound,
+             ck_step: int | None = None):
   """Realistic raw inputs (``kda_inputs`` with ``g_raw`` of std 2, the model's gate parameters); ``saturated``
-  shifts ``g_raw`` by 3, pushing the gate to its extreme (lb per token, or a softplus decay of tens per token)."""
+  shifts ``g_raw`` by 3, pushing the gate to its extreme (lb per token, or a softplus decay of tens per token).
+  ``ck_step``: tokens between checkpoints (default: a multiple of 64 that gives each sequence about three)."""
   rng = np.random.default_rng(seed)
   T = int(sum(lens))
   x = kda_inputs(rng, (T,), H, K, V, g_scale=2.0, g_shift=3.0 if saturated else 0.0)
@@ -45,7 +50,7 @@ def _problem(seed: int, lens, H: int, K: int, V: int, *, saturated: bool, state_
   offsets, ck_slots, indptr = [], [], [0]
   nxt = N + 1
   for n in range(N):
-    for off in range(64, lens[n] + 1, 64 * max(1, lens[n] // 192)):
+    for off in range(64, lens[n] + 1, ck_step or 64 * max(1, lens[n] // 192)):
       offsets.append(off)
       ck_slots.append(nxt)
       nxt += 1
@@ -79,7 +84,9 @@ def _oracle(inputs, pool, arrays, *, lower_bound):
 CASES = [pytest.param(SMALL, None, id="small"), pytest.param(SMALL_PAIR, 2, id="small-pair"),
          pytest.param(SMALL_WIDE, None, id="small-wide"),
          pytest.param(LARGE, None, id="large", marks=pytest.mark.gpu),
-         pytest.param(LARGE, 2, id="large-pair", marks=pytest.mark.gpu)]
+         pytest.param(LARGE, 2, id="large-pair", marks=pytest.mark.gpu),
+         pytest.param(EVERY_CHUNK, 1, id="every-chunk", marks=pytest.mark.gpu),
+         pytest.param(EVERY_CHUNK, 2, id="every-chunk-pair", marks=pytest.mark.gpu)]
 GATES = [pytest.param(-5.0, jnp.float32, False, id="lb-f32state"),
          pytest.param(None, jnp.bfloat16, True, id="softplus-bf16state-saturated")]
 GATES_GPU = [pytest.param(-5.0, jnp.bfloat16, True, id="lb-bf16state-saturated", marks=pytest.mark.gpu),
