@@ -3,6 +3,8 @@ bf16 roundings kept on a GPU too, the `gpu` skip, and a log of failures written 
 (``K3JAX_FAILURE_LOG``)."""
 
 import os
+import shutil
+import tempfile
 
 # The CPU client's thread pool (tsl reads NPROC): interpret mode runs each warpgroup of a kernel as a thread that
 # blocks in barrier waits on that pool, and with 2 cores the narrow MLA kernel's memory warpgroup (which
@@ -42,7 +44,26 @@ class FailureLog:
         f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
+# A persistent compilation cache shared by the controller's xdist workers within one run: the tests compile
+# the same computations many times (each test builds its own jit of the same ops and shapes, and both workers
+# compile what they share), and on a 2-core CI machine compiling is most of the suite's time. Every executable
+# is stored, however quick its compile: the many small ones add up. A fresh directory per run, removed at its
+# end, so a run never reads what another JAX or another checkout wrote.
+CACHE_DIR_ENV = "K3JAX_TEST_COMPILATION_CACHE"
+
+
+def _use_compilation_cache(config) -> None:
+  if not hasattr(config, "workerinput"):
+    path = tempfile.mkdtemp(prefix="k3jax-jax-cache-")
+    config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
+    os.environ[CACHE_DIR_ENV] = path  # inherited by the xdist workers, which start after pytest_configure
+  jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_DIR_ENV])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def pytest_configure(config):
+  _use_compilation_cache(config)
   # Only where K3JAX_FAILURE_LOG names a file, and not in an xdist worker (it has ``workerinput``): the
   # controller receives every worker's reports.
   path = os.environ.get("K3JAX_FAILURE_LOG")
