@@ -22,8 +22,9 @@ SMALL = dict(lens=(70, 0, 30), H=1, K=64, V=64)
 SMALL_PAIR = dict(lens=(70, 0, 30), H=1, K=64, V=128)  # two V-blocks: one program or two
 SMALL_WIDE = dict(lens=(70, 0, 30), H=1, K=128, V=128)  # the model's head size, also in interpret mode
 LARGE = dict(lens=(0, 1, 63, 64, 65, 1300), H=4, K=128, V=128)
-# A checkpoint after every chunk: each chunk's inputs then land in a ring stage that the previous checkpoint's
-# stores were still reading, at a size where the warpgroups' timing varies (races show on the GPU only).
+# A checkpoint after every chunk of long sequences: the state pass stages a state for its slot and reuses that
+# memory at every chunk, so a store that has not read its staging before the next chunk overwrites it shows here
+# (on the GPU only: interpret mode does not alias SMEM).
 EVERY_CHUNK = dict(lens=(1300, 1, 640, 700), H=8, K=128, V=128, ck_step=64)
 POISON = 1e30
 
