@@ -25,6 +25,9 @@ NSUB = C // SUB
 # (anchor at the block's middle): with KdaConfig's lower_bound >= -5 that is 2^115 at 32 rows, inside f32's and
 # bf16's range (2^127), and 32-row blocks halve the key tiles of 16-row ones.
 BOUNDED_BLOCK = 32
+# W's anchor factor 2^ν_b in equal parts with a lower-bound gate (README.md, "W from Kd"): ν_b >= 49 · -5 ·
+# log2(e) ≈ -353 (the last anchor, row 48), so each part is >= 2^-118, a normal f32.
+W_SCALE_PARTS = 3
 
 
 def iota(shape: tuple[int, int], dim: int) -> jax.Array:
@@ -75,9 +78,9 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
   nblk = C // blk_rows
   off = blk_rows // 2 if bounded else 0  # anchor row inside each block
   raw_q, qt_s, (p_s, f_s) = x_q
-  raw_k, kd_s, (x_s, aqk_s) = x_k
+  raw_k, kd_s = x_k
   raw_v, bv_s = x_v
-  raw_g, (gsplit, tril), ph_diag, (bk_s, stage_a, stage_b) = y
+  raw_g, (gsplit, tril), ph_diag, (stage_a, stage_b), (x_s, aqk_s) = y
   c = lax.axis_index("c")
   h = lax.axis_index("h")
   t0 = tok_ref[c]
@@ -160,7 +163,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
         kdec = k_j * jnp.exp2(G - g_j)
         hit = (c64 == r64 - d) & (r64 - d >= (r64 // SUB) * SUB)
         aqk_d = jnp.where(hit, bcast_rows(jnp.sum(q * kdec, axis=1), (C, C)), aqk_d)
-        l_d = jnp.where(hit, bcast_rows(jnp.sum(k * kdec, axis=1), (C, C)), l_d)
+        l_d = jnp.where(hit, bcast_rows(jnp.sum(k * kdec, axis=1) * beta, (C, C)), l_d)
         return aqk_d, l_d
 
       aqk_acc, l_acc = lax.fori_loop(0, SUB, diag_step, (zeros_cc, zeros_cc))
@@ -179,8 +182,8 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     if bounded:
       k = load_l2norm(raw_k, validf)
       plgpu.commit_smem()  # raw_k read in every warp
-    kd_s[...] = (k * d_row).astype(bf16)
-    bk_s[...] = (k * gamma_row * bcast_rows(beta, (C, K))).astype(bf16)
+    # Kd carries β: L's rows need it, and so does W, which is taken from Kd (see w_u).
+    kd_s[...] = (k * d_row * bcast_rows(beta, (C, K))).astype(bf16)
     stage_b[...] = (k * jnp.exp2(bcast_cols(g_last, (C, K)) - G)).astype(bf16)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(stage_a, qg_ref.at[c, h])
@@ -232,7 +235,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
       acc = lax.fori_loop(1, nblk, key_block, acc)
     aqk_acc, l_acc = acc
     aqk_s[...] = jnp.where(c64 <= r64, aqk_acc, 0.0).astype(bf16)
-    lmat = jnp.where(c64 < r64, bcast_rows(beta, (C, C)) * l_acc, 0.0)
+    lmat = jnp.where(c64 < r64, l_acc, 0.0)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(aqk_s, aqk_ref.at[c, h])
 
@@ -266,19 +269,37 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     p_op = a_operand(p.astype(bf16), p_s)
 
     phases.start("w_u")
-
-    def w_and_u(acc_w, acc_u):
-      plgpu.wgmma(acc_w, p_op, bk_s)
-      plgpu.wgmma(acc_u, p_op, bv_s)
-      return acc_w[...], acc_u[...]
-
-    w, u = pl.run_scoped(w_and_u, plgpu.ACC((C, K), f32), plgpu.ACC((C, V), f32))
-    plgpu.commit_smem()  # every warp's W/U matmuls have read bk_s and bv_s: they take W and U in place
-    bk_s[...] = (-w).astype(bf16)
+    u = matmul([(p_op, bv_s)], (C, V))
+    plgpu.commit_smem()  # every warp's U product has read bv_s: it takes U in place
     bv_s[...] = u.astype(bf16)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(bk_s, neg_w_ref.at[c, h])
     plgpu.copy_smem_to_gmem(bv_s, u_ref.at[c, h])
+
+    # W = P (βK 2^G) from Kd = βK 2^(G - ν_b) one key block at a time: the block's columns of P times Kd, times
+    # 2^ν_b per column (README.md, "W from Kd"). A separate βK 2^G tile for W would take the SMEM that keeps two
+    # programs per SM in the 196 KiB configuration (see prep).
+    def w_block(b, w):
+      if smem_operands:
+        plgpu.commit_smem()  # the previous block's product has read x_s
+      p_b = jnp.where(c64 // blk_rows == b, p, 0.0).astype(bf16)
+      w_b = matmul([(a_operand(p_b, x_s), kd_s)], (C, K))
+      nu_b = plgpu.load(anchors_s.at[b], layout=COLV, optimized=False)
+      parts = W_SCALE_PARTS if bounded else 1
+      part = bcast_cols(jnp.exp2(nu_b * (1.0 / parts)), (C, K))
+      for _ in range(parts):
+        w_b = w_b * part
+      return w + w_b
+
+    w = plgpu.layout_cast(jnp.zeros((C, K), f32), WG)
+    if bounded:
+      for b in range(nblk):
+        w = w_block(b, w)
+    else:
+      w = lax.fori_loop(0, nblk, w_block, w)  # four 16-row blocks: a loop, as the key blocks (README.md)
+    plgpu.commit_smem()  # every warp's W products have read Kd: it takes -W in place
+    kd_s[...] = (-w).astype(bf16)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(kd_s, neg_w_ref.at[c, h])
     phases.start("store_wait")
     plgpu.wait_smem_to_gmem(0)
     phases.end()
@@ -309,16 +330,16 @@ def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_t: jax
               jax.ShapeDtypeStruct((S, H, C, K), bf16), jax.ShapeDtypeStruct((S, H, C, V), bf16),
               jax.ShapeDtypeStruct((S, H, C, C), bf16), jax.ShapeDtypeStruct((S, H, K), f32))
   parts = 2 if bounded else 3
-  # Raw rows land untiled (their token offset is not a multiple of 8), then a tile, then two C x C buffers.
-  landing = lambda dtype: plgpu.RefUnion(plgpu.SMEM((C, K), dtype), tiled((C, K)), (tiled((C, C)), tiled((C, C))))
-  x_q, x_k = landing(q.dtype), landing(k.dtype)
+  # Raw rows land untiled (their token offset is not a multiple of 8), then a tile (and for q two C x C buffers).
+  x_q = plgpu.RefUnion(plgpu.SMEM((C, K), q.dtype), tiled((C, K)), (tiled((C, C)), tiled((C, C))))
+  x_k = plgpu.RefUnion(plgpu.SMEM((C, K), k.dtype), tiled((C, K)))  # Kd lives until W
   x_v = plgpu.RefUnion(plgpu.SMEM((C, V), v.dtype), tiled((C, V)))
   # G rows and (pairwise diagonal only) k rows in one allocation: the row-vector reads of G pin it to a plain
   # row-major layout; a separate k buffer would get a swizzled tiling from layout inference, which the
   # row-shifted reads (offsets not a multiple of the tile) do not survive on the GPU.
   ph_diag = plgpu.SMEM((1 if bounded else 2, SUB + C, K), f32)
   y = plgpu.RefUnion(plgpu.SMEM((C, K), g_raw.dtype), ([tiled((C, K)) for _ in range(parts)], tiled((C, C))),
-                     ph_diag, (tiled((C, K)), tiled((C, K)), tiled((C, K))))
+                     ph_diag, (tiled((C, K)), tiled((C, K))), (tiled((C, C)), tiled((C, C))))
   scratch = [x_q, x_k, x_v, y, plgpu.SMEM((NSUB, K), f32),
              plgpu.Barrier(num_arrivals=1, num_barriers=1), plgpu.Barrier(num_arrivals=3, num_barriers=1)]
   body = functools.partial(_prep_body, K=K, V=V, scale=scale, lower_bound=lower_bound,
