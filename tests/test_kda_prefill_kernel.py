@@ -237,3 +237,44 @@ def test_prep_smem_leaves_room_for_two_programs_per_sm(lower_bound, monkeypatch)
   shared-memory configuration, the one that leaves 60 KiB of L1 for their register spills."""
   smem = _prep_smem_bytes(lower_bound, monkeypatch)
   assert 2 * (smem + 1024) <= 196 * 1024, f"prep SMEM {smem / 1024:.1f} KiB: not two programs in 196 KiB"
+
+
+def test_prep_w_where_the_anchor_factor_is_below_f32():
+  """The prep's W at a lower-bound block whose anchor factor 2^ν is below f32's range while the block's first
+  rows' 2^G are not (README.md, "W from Kd"): one key channel is 0 over block 0, decays slowly to row 32 (G = -30
+  in log2) and at the bound after it, so that block 1 alone gives W's column (below 2^-30) and its anchor (row
+  48) is G = -30 - 16 · 5 · log2(e) ≈ -145. W as a single factor 2^ν would lose that column (0 with flushed
+  denormals, a few bits otherwise); the float64 computation of W is the truth. Interpret mode, one chunk."""
+  from pallas_kernels.kda import prefill_prep
+  from pallas_kernels.mosaic_interpret import interpret_mode
+
+  lb, T, K, V = -5.0, 64, 64, 64
+  rng = np.random.default_rng(5)
+  k = rng.standard_normal((T, 1, K)).astype(np.float32)
+  k[:32, 0, 0] = 0.0
+  g_raw = rng.normal(0.0, 2.0, (T, 1, K)).astype(np.float32)
+  slow = -30.0 / 33 / np.log2(np.e)  # nats per token, so that G[32] = -30 in log2 units
+  g_raw[:33, 0, 0] = np.log(slow / lb / (1.0 - slow / lb))  # the gate lb * sigmoid(x) gives `slow` there
+  g_raw[33:, 0, 0] = 30.0  # the gate at its bound
+  beta_raw = rng.standard_normal((T, 1)).astype(np.float32)
+  bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+  args = (bf(rng.standard_normal((T, 1, K))), bf(k), bf(rng.standard_normal((T, 1, V))), jnp.asarray(g_raw),
+          jnp.pad(jnp.asarray(beta_raw).T, ((0, 0), (0, 64))), jnp.zeros((1,), jnp.float32),
+          jnp.zeros((1, K), jnp.float32), jnp.zeros((1,), jnp.int32), jnp.full((1,), T, jnp.int32))
+  with interpret_mode(True):
+    neg_w = prefill_prep.prep(*args, scale=K ** -0.5, lower_bound=lb, smem_operands=True)[2]
+  got = -np.asarray(neg_w[0, 0], np.float64)
+
+  kn = np.asarray(args[1], np.float64)[:, 0]
+  kn = kn / np.sqrt((kn * kn).sum(axis=1, keepdims=True) + 1e-6)
+  G = np.cumsum(lb / (1.0 + np.exp(-g_raw[:, 0].astype(np.float64))), axis=0) * np.log2(np.e)
+  beta = 1.0 / (1.0 + np.exp(-beta_raw[:, 0].astype(np.float64)))
+  decay = np.exp2(np.minimum(G[:, None, :] - G[None, :, :], 0.0))  # [r, s, K]; only s < r is used
+  L = np.tril(beta[:, None] * np.einsum("rj,sj,rsj->rs", kn, kn, decay), -1)
+  want = np.linalg.solve(np.eye(T) + L, beta[:, None] * kn * np.exp2(G))
+  assert 2.0 ** -40 < np.abs(want[32:, 0]).max() < 2.0 ** -30 and not want[:32, 0].any()
+  assert not np.isnan(got).any()
+  err = np.abs(got[:, 0] - want[:, 0]).max() / np.abs(want[:, 0]).max()
+  assert err < 2.0 ** -6, f"W's column behind an anchor below f32: relative error {err:.3g}"
+  # The other channels, with realistic gates, to bf16 accuracy.
+  np.testing.assert_allclose(got[:, 1:], want[:, 1:], rtol=0, atol=2.0 ** -7 * np.abs(want[:, 1:]).max())
