@@ -16,7 +16,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import util
 from pallas_kernels.kda._mosaic import COLV, ROWV, WG, bcast_cols, bcast_rows, bf16, f32, tiled
 from pallas_kernels.kda.config import CHUNK_SIZE as C
-from pallas_kernels.kda.kernel_math import GATE_FLOOR, L2NORM_EPS, gate
+from pallas_kernels.kda.kernel_math import GATE_FLOOR, L2NORM_EPS, gate, reciprocal
 from pallas_kernels.kda.reference import SUB_BLOCK as SUB
 from pallas_kernels.util import LOG2E
 
@@ -98,24 +98,25 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     a = jnp.exp(alog_ref[h])
     dtb = plgpu.load(dtb_ref.at[h], layout=COLV, optimized=False)
     beta_raw = plgpu.load(b_ref.at[h, pl.ds(t0, C)], layout=ROWV, optimized=False)
-    beta = validf / (1.0 + jnp.exp(-beta_raw))
+    beta = validf * reciprocal(1.0 + jnp.exp(-beta_raw))
 
-    # Gate (log2 units); rows past the chunk contribute 0 (their raw rows are finite: real tokens or
-    # TMA zero fill, so a multiply masks them). An unbounded gate gets a floor: it changes no factor (a span
-    # over a token at the floor is below f32's smallest value either way) but keeps the chunk's cumulative
+    # Gate (log2 units). Rows past the chunk are left in (their raw rows are finite: real tokens or TMA zero
+    # fill): the cumulative sum's matrix drops them. An unbounded gate gets a floor: it changes no factor (a
+    # span over a token at the floor is below f32's smallest value either way) but keeps the chunk's cumulative
     # sums small enough that differences of them keep their precision after an extreme token (e.g. -1e13
     # with a huge A_log). A lower bound above the floor needs none, so that path has no extra op.
     phases.start("gate")
     plgpu.barrier_wait(bar_g.at[0])
-    g = gate(load_rows(raw_g) + bcast_cols(dtb, (C, K)), a, lower_bound) * bcast_rows(validf * LOG2E, (C, K))
+    g = gate(load_rows(raw_g) + bcast_cols(dtb, (C, K)), a, lower_bound, scale=LOG2E, approx=True)
     if lower_bound is None or lower_bound * LOG2E < GATE_FLOOR:
       g = jnp.maximum(g, GATE_FLOOR)
     plgpu.commit_smem()  # raw_g is read in every warp before its memory takes the split gate
 
-    # G[r] = sum_{s<=r} g[s] as a matmul with a lower-triangular ones matrix, g split into bf16 parts.
+    # G[r] = sum_{s<=r, s<n} g[s] as a matmul with a lower-triangular ones matrix whose columns past the
+    # chunk are 0 (rows past it repeat G[n-1]), g split into bf16 parts.
     phases.start("cumsum")
     r_cc, c_cc = iota((C, C), 0), iota((C, C), 1)
-    tril[...] = jnp.where(c_cc <= r_cc, 1.0, 0.0).astype(bf16)
+    tril[...] = jnp.where((c_cc <= r_cc) & (c_cc < n), 1.0, 0.0).astype(bf16)
     for dst, part in zip(gsplit, split(g, len(gsplit))):
       dst[...] = part
     plgpu.commit_smem()
