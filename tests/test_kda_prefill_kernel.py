@@ -239,6 +239,21 @@ def test_prep_smem_leaves_room_for_two_programs_per_sm(lower_bound, monkeypatch)
   assert 2 * (smem + 1024) <= 196 * 1024, f"prep SMEM {smem / 1024:.1f} KiB: not two programs in 196 KiB"
 
 
+@pytest.mark.parametrize("lb", [-5.0, -3.0, -1.0, -0.01])
+def test_prep_w_scale_parts_stay_normal(lb):
+  """Each of W's anchor-factor parts is a normal f32 at the lowest anchor the bound allows (every gate at the
+  bound up to the anchor row), and no more parts than that takes."""
+  from pallas_kernels.kda import prefill_prep as pp
+
+  for b in range(pp.C // pp.BOUNDED_BLOCK):
+    nu_min = (b * pp.BOUNDED_BLOCK + pp.BOUNDED_BLOCK // 2 + 1) * lb * np.log2(np.e)
+    parts = pp.w_scale_parts(b, lb)
+    assert nu_min / parts >= pp.W_PART_MIN_EXP > -126
+    assert parts == 1 or nu_min / (parts - 1) < pp.W_PART_MIN_EXP
+  assert [pp.w_scale_parts(b, -5.0) for b in range(2)] == [1, 3]
+  assert pp.w_scale_parts(1, None) == 1
+
+
 def test_prep_w_where_the_anchor_factor_is_below_f32():
   """The prep's W at a lower-bound block whose anchor factor 2^ν is below f32's range while the block's first
   rows' 2^G are not (README.md, "W from Kd"): one key channel is 0 over block 0, decays slowly to row 32 (G = -30

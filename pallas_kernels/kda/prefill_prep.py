@@ -6,6 +6,7 @@ stage 2 (``qg``, ``kg``, ``neg_w``, ``u``, ``aqk``) and its f32 ``chunk_decay``.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import util
 from pallas_kernels.kda._mosaic import COLV, ROWV, WG, bcast_cols, bcast_rows, bf16, f32, tiled
 from pallas_kernels.kda.config import CHUNK_SIZE as C
-from pallas_kernels.kda.kernel_math import GATE_FLOOR, L2NORM_EPS, gate, reciprocal
+from pallas_kernels.kda.kernel_math import GATE_FLOOR, L2NORM_EPS, bounded_gate_log2, gate, reciprocal
 from pallas_kernels.kda.reference import SUB_BLOCK as SUB
 from pallas_kernels.util import LOG2E
 
@@ -25,9 +26,20 @@ NSUB = C // SUB
 # (anchor at the block's middle): with KdaConfig's lower_bound >= -5 that is 2^115 at 32 rows, inside f32's and
 # bf16's range (2^127), and 32-row blocks halve the key tiles of 16-row ones.
 BOUNDED_BLOCK = 32
-# W's anchor factor 2^ν_b in equal parts with a lower-bound gate (README.md, "W from Kd"): ν_b >= 49 · -5 ·
-# log2(e) ≈ -353 (the last anchor, row 48), so each part is >= 2^-118, a normal f32.
-W_SCALE_PARTS = 3
+# The smallest exponent of one part of W's anchor factor 2^ν_b (README.md, "W from Kd"): a normal f32 (exp2 flushes
+# subnormals to 0 under approx_math), with room for the gate's rounding.
+W_PART_MIN_EXP = -125
+
+
+def w_scale_parts(b: int, lower_bound: float | None) -> int:
+  """How many equal factors W's anchor factor ``2^ν_b`` of key block ``b`` takes. With the softplus gate one: the
+  anchor is the block's first row, so where ``2^ν_b`` is below f32's range so are the block's terms. With a lower
+  bound, ``ν_b >= (anchor row + 1) · lower_bound · log2 e`` (the anchor at row ``32 b + 16``; ≈ -123 for the first
+  block and -353 for the second at the bound -5), split so that each part stays above ``2^W_PART_MIN_EXP``."""
+  if lower_bound is None:
+    return 1
+  nu_min = (b * BOUNDED_BLOCK + BOUNDED_BLOCK // 2 + 1) * lower_bound * LOG2E
+  return max(1, math.ceil(nu_min / W_PART_MIN_EXP))
 
 
 def iota(shape: tuple[int, int], dim: int) -> jax.Array:
@@ -107,7 +119,10 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     # with a huge A_log). A lower bound above the floor needs none, so that path has no extra op.
     phases.start("gate")
     plgpu.barrier_wait(bar_g.at[0])
-    g = gate(load_rows(raw_g) + bcast_cols(dtb, (C, K)), a, lower_bound, scale=LOG2E, approx=True)
+    if bounded:
+      g = bounded_gate_log2(load_rows(raw_g), bcast_cols(dtb, (C, K)), a, lower_bound)
+    else:
+      g = gate(load_rows(raw_g) + bcast_cols(dtb, (C, K)), a, lower_bound, scale=LOG2E)
     if lower_bound is None or lower_bound * LOG2E < GATE_FLOOR:
       g = jnp.maximum(g, GATE_FLOOR)
     plgpu.commit_smem()  # raw_g is read in every warp before its memory takes the split gate
@@ -134,11 +149,12 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     for b, nu_b in enumerate(anchors):
       anchors_s[b] = nu_b
     # Row factor 2^(G[r] - G[anchor of r's block]): a block is one warp's rows (16) or two warps' (32).
+    # The anchor is selected before the subtraction: one select per element and block after the first.
     blk = iota((C, K), 0) // blk_rows
-    ex = G
-    for b, nu_b in enumerate(anchors):
-      ex = jnp.where(blk == b, G - bcast_cols(nu_b, (C, K)), ex)
-    d_row = jnp.exp2(ex)
+    nu_row = bcast_cols(anchors[0], (C, K))
+    for b in range(1, nblk):
+      nu_row = jnp.where(blk == b, bcast_cols(anchors[b], (C, K)), nu_row)
+    d_row = jnp.exp2(G - nu_row)
 
     phases.start("qkv")
     plgpu.barrier_wait(bar_qkv.at[0])
@@ -200,8 +216,10 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
 
     def key_tile(b, kb_s):
       nu_b = plgpu.load(anchors_s.at[b], layout=COLV, optimized=False)
-      cut = jnp.where(rowv < (b + 1 if bounded else b) * blk_rows, 0.0, -jnp.inf)
-      kb_s[...] = (k * jnp.exp2(bcast_cols(nu_b, (C, K)) - G + bcast_rows(cut, (C, K)))).astype(bf16)
+      ex = bcast_cols(nu_b, (C, K)) - G
+      if not (bounded and b == nblk - 1):  # the last 32-row block's keys are every row: nothing to cut
+        ex = ex + bcast_rows(jnp.where(rowv < (b + 1 if bounded else b) * blk_rows, 0.0, -jnp.inf), (C, K))
+      kb_s[...] = (k * jnp.exp2(ex)).astype(bf16)
 
     def add_block(b, kb_s, acc):
       def block_products(acc_a, acc_l):
@@ -285,7 +303,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
       p_b = jnp.where(c64 // blk_rows == b, p, 0.0).astype(bf16)
       w_b = matmul([(a_operand(p_b, x_s), kd_s)], (C, K))
       nu_b = plgpu.load(anchors_s.at[b], layout=COLV, optimized=False)
-      parts = W_SCALE_PARTS if bounded else 1
+      parts = w_scale_parts(b, lower_bound)
       part = bcast_cols(jnp.exp2(nu_b * (1.0 / parts)), (C, K))
       for _ in range(parts):
         w_b = w_b * part
