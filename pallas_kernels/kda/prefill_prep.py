@@ -112,8 +112,8 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     beta_raw = plgpu.load(b_ref.at[h, pl.ds(t0, C)], layout=ROWV, optimized=False)
     beta = validf * reciprocal(1.0 + jnp.exp(-beta_raw))
 
-    # Gate (log2 units). Rows past the chunk are left in (their raw rows are finite: real tokens or TMA zero
-    # fill): the cumulative sum's matrix drops them. An unbounded gate gets a floor: it changes no factor (a
+    # Gate (log2 units). Rows past the chunk are left in (real tokens of the next sequence or TMA zero fill):
+    # the cumulative sum's matrix drops them if finite (a NaN there is README.md's known gap). An unbounded gate gets a floor: it changes no factor (a
     # span over a token at the floor is below f32's smallest value either way) but keeps the chunk's cumulative
     # sums small enough that differences of them keep their precision after an extreme token (e.g. -1e13
     # with a huge A_log). A lower bound above the floor needs none, so that path has no extra op.
