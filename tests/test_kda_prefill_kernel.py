@@ -125,11 +125,7 @@ def test_deterministic_and_shorter_than_a_chunk(kernel_impl):
   check_prefill(o1, p1, ref_o, ref_pool, pool_j, arrays, PREFILL_TOL[jnp.dtype(jnp.float32)], 25, 1, 64)
 
 
-@pytest.mark.parametrize("impl", [
-    pytest.param("kernel", marks=pytest.mark.xfail(strict=True, reason="known defect: the prep weights the next "
-                                                   "sequence's rows of a partial chunk by 0, which keeps a NaN; the "
-                                                   "fix (branch kda-prep-nan) awaits its GPU run")),
-    "xla"])
+@pytest.mark.parametrize("impl", ["kernel", "xla"])
 def test_a_nan_token_stays_in_its_sequence(kernel_impl, impl):
   """NaN in every input of one sequence's first token reaches no other sequence. The previous sequence ends in a
   partial chunk, whose 64-row raw tiles hold that token too, and a 0 coefficient in a matmul does not drop a NaN

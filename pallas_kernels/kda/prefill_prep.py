@@ -69,6 +69,16 @@ def load_l2norm(ref, row_factor: jax.Array) -> jax.Array:
   return x * bcast_rows(inv, x.shape)
 
 
+def zero_rows_from(refs, n: jax.Array) -> None:
+  """Rows ``n..`` of raw tiles set to 0 in SMEM, for a chunk of ``n < C`` tokens: the tiles' rows past it hold the
+  next sequence's tokens, which may be NaN or inf, and the matmuls that weight them by 0 would still carry a NaN
+  (0 * NaN is NaN) into this sequence. Ends in a warpgroup barrier; cold code, run for partial chunks only."""
+  for ref in refs:
+    x = plgpu.load(ref, layout=WG, optimized=False)
+    ref[...] = jnp.where(iota(x.shape, 0) < n, x, jnp.zeros_like(x))
+  plgpu.commit_smem()
+
+
 def split(x: jax.Array, parts: int) -> list[jax.Array]:
   """``parts`` bf16 values whose f32 sum is ``x`` to about ``8 * parts`` bits."""
   out = []
@@ -110,7 +120,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     a = jnp.exp(alog_ref[h])
     dtb = plgpu.load(dtb_ref.at[h], layout=COLV, optimized=False)
     beta_raw = plgpu.load(b_ref.at[h, pl.ds(t0, C)], layout=ROWV, optimized=False)
-    beta = validf * reciprocal(1.0 + jnp.exp(-beta_raw))
+    beta = jnp.where(rowv < n, reciprocal(1.0 + jnp.exp(-beta_raw)), 0.0)  # a select: the next token may be NaN
 
     # Gate (log2 units). Rows past the chunk are left in (real tokens of the next sequence or TMA zero fill):
     # the cumulative sum's matrix drops them if finite (a NaN there is README.md's known gap). An unbounded gate gets a floor: it changes no factor (a
@@ -119,6 +129,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     # with a huge A_log). A lower bound above the floor needs none, so that path has no extra op.
     phases.start("gate")
     plgpu.barrier_wait(bar_g.at[0])
+    pl.when(n < C)(lambda: zero_rows_from([raw_g], n))
     if bounded:
       g = bounded_gate_log2(load_rows(raw_g), bcast_cols(dtb, (C, K)), a, lower_bound)
     else:
@@ -158,6 +169,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
 
     phases.start("qkv")
     plgpu.barrier_wait(bar_qkv.at[0])
+    pl.when(n < C)(lambda: zero_rows_from([raw_k, raw_v], n))  # q's rows past the chunk reach only their own rows
     bv = load_rows(raw_v) * bcast_rows(beta, (C, V))
     plgpu.commit_smem()  # raw_v read in every warp
     bv_s[...] = bv.astype(bf16)
