@@ -122,11 +122,11 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     beta_raw = plgpu.load(b_ref.at[h, pl.ds(t0, C)], layout=ROWV, optimized=False)
     beta = jnp.where(rowv < n, reciprocal(1.0 + jnp.exp(-beta_raw)), 0.0)  # a select: the next token may be NaN
 
-    # Gate (log2 units). Rows past the chunk are left in (real tokens of the next sequence or TMA zero fill):
-    # the cumulative sum's matrix drops them if finite (a NaN there is README.md's known gap). An unbounded gate gets a floor: it changes no factor (a
-    # span over a token at the floor is below f32's smallest value either way) but keeps the chunk's cumulative
-    # sums small enough that differences of them keep their precision after an extreme token (e.g. -1e13
-    # with a huge A_log). A lower bound above the floor needs none, so that path has no extra op.
+    # Gate (log2 units). Rows past a partial chunk are zeroed first (they hold the next sequence's tokens, which
+    # may be NaN), then left in: the cumulative sum's matrix drops them. An unbounded gate gets a floor: it changes
+    # no factor (a span over a token at the floor is below f32's smallest value either way) but keeps the chunk's
+    # cumulative sums small enough that differences of them keep their precision after an extreme token (e.g.
+    # -1e13 with a huge A_log). A lower bound above the floor needs none, so that path has no extra op.
     phases.start("gate")
     plgpu.barrier_wait(bar_g.at[0])
     pl.when(n < C)(lambda: zero_rows_from([raw_g], n))
