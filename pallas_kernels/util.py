@@ -140,6 +140,14 @@ class Phases:
     self._open.close()
 
 
+def finish_stores() -> None:
+  """The calling thread's last wait on its SMEM -> GMEM copies, at the end of a program: only the reads of SMEM
+  must finish before the program exits and its SMEM goes to the next program (as CUTLASS epilogues wait); the
+  GMEM writes complete on their own before the kernel does, and waiting for them would hold the program's SM
+  slot for a DRAM write latency."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def smem_transforms(dtype, cols: int) -> tuple:
   """SMEM tiling ``(8, swizzle / itemsize)`` + the widest swizzle dividing a row of ``cols`` elements.
 

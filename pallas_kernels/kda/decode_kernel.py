@@ -129,9 +129,7 @@ def _tma_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, slot
 
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, :, h, rows])
-  # Only SMEM must outlive the copies (as CUTLASS epilogues do); the GMEM writes complete on their own
-  # before the kernel is considered finished, and the program's slot frees up sooner.
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  util.finish_stores()
 
 
 def _direct_body(q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, slots_ref, accepted_ref,

@@ -332,7 +332,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(kd_s, neg_w_ref.at[c, h])
     phases.start("store_wait")
-    plgpu.wait_smem_to_gmem(0)
+    util.finish_stores()
     phases.end()
 
 

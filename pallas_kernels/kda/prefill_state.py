@@ -150,7 +150,7 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
     # is (bitwise), any other gets the zero state. Writing it here, from the program that owns the sequence,
     # costs one predicate on the hot path and no extra pass over the pool.
     pl.when((slot >= 0) & ((nch > 0) | jnp.logical_not(has_init)))(lambda: write_state(s, slot))
-    plgpu.wait_smem_to_gmem(0)
+    util.finish_stores()
     phases.end()
 
   wg = lax.axis_index("wg")

@@ -315,7 +315,7 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     plgpu.barrier_arrive(p_ready_bar)
     store_rows(lambda n: plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, n)], lse_ref.at[split, b, pl.ds(row0, n)]))
     epilogue(0, acc, inv_l)
-    plgpu.wait_smem_to_gmem(0)
+    util.finish_stores()
 
   def follower():
     """Warpgroup 1: the other half of ``P @ V`` with the leader's P and alpha."""
@@ -348,7 +348,7 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
     acc = lax.fori_loop(0, num_pages, page_step, acc)
     plgpu.barrier_wait(p_ready_bar)  # the leader's 1 / l, and the leader is done with the ring
     epilogue(1, acc, plgpu.load(row_smem, layout=head_layout))
-    plgpu.wait_smem_to_gmem(0)
+    util.finish_stores()
 
   def staging_slot(i, p):
     """fp8, narrow: the staging slot of page i's piece p (static): the memory warpgroup's pieces in turn over

@@ -300,7 +300,7 @@ def _body(tab_ref, lo_ref, hi_ref, q_ref, kn_ref, kr_ref, v_ref, o_ref, lse_ref,
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out, o_ref.at[pl.ds(r0, WG_ROWS), h])
     plgpu.copy_smem_to_gmem(lse_stage.at[wg], lse_ref.at[h, pl.ds(r0, WG_ROWS)])
-    plgpu.wait_smem_to_gmem(0)
+    util.finish_stores()
 
   def producer():
     if not smem_operands:
