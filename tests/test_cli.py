@@ -21,6 +21,7 @@ def _generated(capsys) -> list[int]:
 
 
 # The tiny checkpoint's widths are below the Pallas kernels' (D % 128 for the short conv): XLA on every machine.
+@pytest.mark.slow
 def test_convert_then_generate_matches_generate_from_hf(tiny_k3, tmp_path, capsys):
   assert cli.main(["generate", "--hf", str(tiny_k3), "--tokens", "3,1,4,1,5", "--max-new-tokens", "4",
                    "--impl", "xla"]) == 0

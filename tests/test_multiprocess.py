@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import multiprocess_worker as worker
 from support import device_mesh
@@ -34,6 +35,7 @@ def _worker_env() -> dict[str, str]:
   return env
 
 
+@pytest.mark.slow
 def test_multiprocess_3x3_equals_single_process_9_devices(tmp_path):
   hf = testing.write_tiny_hf(tmp_path / "hf", worker.CONFIG, seed=3)
   port = _free_port()

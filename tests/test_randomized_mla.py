@@ -13,6 +13,7 @@ rows hold. Shapes are small in interpret mode (CPU) and realistic on a Hopper GP
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -96,6 +97,7 @@ def _row_rel_l2(o, ref):
   return float(np.max(np.linalg.norm(o - ref, axis=-1) / np.linalg.norm(ref, axis=-1), initial=0.0))
 
 
+@pytest.mark.slow
 @budget(cpu=20, gpu=8)
 @given(drawn=decode_batches())
 def test_mla_decode_matches_reference_and_oracle(kernel_impl, drawn):
@@ -157,6 +159,7 @@ def test_merge_partials_matches_oracle(drawn):
   np.testing.assert_allclose(np.asarray(lse), lse_ref, rtol=1e-6, atol=MERGE_LSE_ATOL)
 
 
+@pytest.mark.slow
 @budget(cpu=8, gpu=6)
 @given(drawn=decode_batches())
 def test_mla_decode_over_an_fp8_cache_matches_the_oracle_of_its_values(kernel_impl, drawn):

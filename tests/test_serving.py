@@ -215,6 +215,7 @@ def test_hit_on_a_mesh_matches_one_device(setup):
   close(np.asarray(got)[1], np.asarray(ref_next)[0])
 
 
+@pytest.mark.slow
 @budget(cpu=3, gpu=6)
 @given(ops=st.lists(st.tuples(st.integers(0, 2), st.sampled_from([70, 130, 200]), st.booleans()), min_size=3,
                     max_size=7))
@@ -366,6 +367,7 @@ def test_verify_and_accept_checks(setup):
       k3jax.accept(cache, jnp.asarray(DRAFTS), jnp.asarray(bad, jnp.int32))
 
 
+@pytest.mark.slow
 def test_verify_on_a_mesh_matches_one_device(setup):
   """3 devices: KDA heads split, the verify's latent rows written by DCP to their owner devices."""
   cfg, step = setup
