@@ -89,7 +89,8 @@ def _prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, cu_seqlens, state_pool, s
     seq_meta = (chunk_start, nch, cu_seqlens[:-1].astype(jnp.int32), lens.astype(jnp.int32),
                 state_indices, has_initial_state.astype(jnp.int32))
     pool_ref = jax.new_ref(state_pool)
-    o = prefill_state.state_pass(*work, pool_ref, seq_meta, ck, T=T, out_dtype=q.dtype, v_blocks=v_blocks)
+    o = prefill_state.state_pass(*work, pool_ref, seq_meta, ck, T=T, out_dtype=q.dtype, v_blocks=v_blocks,
+                                 interpret=interpret)
   return o, pool_ref[...]
 
 

@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import util
-from pallas_kernels.kda._mosaic import COLV, WG, bcast_cols, bf16, f32, tiled
+from pallas_kernels.kda._mosaic import COLV, WG, accumulate, bcast_cols, bf16, f32, tiled
 from pallas_kernels.kda.config import CHUNK_SIZE as C
 
 BV = 64  # V-block of one warpgroup
@@ -25,7 +25,7 @@ NBUF = 2  # prefetch depth (stages of the chunk-input ring)
 def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref,
                 qg_ref, kg_ref, neg_w_ref, u_ref, aqk_ref, decay_ref, pool_ref,
                 o_ref,
-                neg_w_b, kg_b, qg_b, u_b, aqk_b, decay_b, o_s, *rest, K: int, wgs: int):
+                neg_w_b, kg_b, qg_b, u_b, aqk_b, decay_b, o_s, *rest, K: int, wgs: int, interpret: bool):
   wg_bufs, (bars, consumed, pool_bar) = rest[:wgs], rest[wgs:]
   vg = lax.axis_index("v")
   h = lax.axis_index("h")
@@ -80,6 +80,9 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
 
     def step(i, s):
       st = lax.rem(i, NBUF)
+      gc = cs + i
+      # The checkpoint range is read now so that its global loads' latency hides behind the chunk's products.
+      ck_lo, ck_hi = ck_lo_ref[gc], ck_hi_ref[gc]
       phases.start("inputs")
       plgpu.barrier_wait(bars.at[st])
       st_s[...] = s.astype(bf16)
@@ -100,11 +103,11 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
       def second(acc_s, acc_o):
         plgpu.wgmma(acc_s, e_s.T, kg_b.at[st])
         plgpu.wgmma(acc_o, aqk_b.at[st], e_s)
-        return acc_s[...], acc_o[...]
 
       phases.start("state_o")
-      ds, o2 = pl.run_scoped(second, plgpu.ACC((BV, K), f32), plgpu.ACC((C, BV), f32))
-      s = s * bcast_cols(chunk_decay, (BV, K)) + ds
+      # The new state and o accumulate onto the decayed state and the first o in place: a separate [BV, K]
+      # product beside s would take 64 more registers a thread at the kernel's peak.
+      s, o = accumulate(second, s * bcast_cols(chunk_decay, (BV, K)), o, from_inits=not interpret)
 
       # Every read of stage st by this warpgroup (wgmma and register loads) is complete; warpgroup 0 refills
       # it once all have said so (an arrival only when a refill follows: every phase is awaited).
@@ -118,7 +121,7 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
       phases.start("o_store")
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       o_w = o_s.at[w]
-      o_w[...] = (o + o2).astype(o_s.dtype)
+      o_w[...] = o.astype(o_s.dtype)
       plgpu.commit_smem()
       rows = jnp.minimum(seq_len - i * C, C)
       start = 0
@@ -131,7 +134,6 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
         start = start + (rows & size)
         size //= 2
 
-      gc = cs + i
       phases.start("checkpoints")
 
       def checkpoint(m, carry):
@@ -139,7 +141,7 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
         pl.when(dst >= 0)(lambda: write_state(s, dst))
         return carry
 
-      lax.fori_loop(ck_lo_ref[gc], ck_hi_ref[gc], checkpoint, 0)
+      lax.fori_loop(ck_lo, ck_hi, checkpoint, 0)
       phases.end()
       return s
 
@@ -169,7 +171,7 @@ def choose_v_blocks(num_seqs: int, num_heads: int, vdim: int) -> int:
 
 def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk: jax.Array,
                chunk_decay: jax.Array, pool_ref, seq_meta: tuple[jax.Array, ...], ck_meta: tuple[jax.Array, ...],
-               *, T: int, out_dtype, v_blocks: int) -> jax.Array:
+               *, T: int, out_dtype, v_blocks: int, interpret: bool = False) -> jax.Array:
   """Stage 2. Writes final states / checkpoints into ``pool_ref`` (a ``jax.new_ref`` of the pool) in place.
 
   Args:
@@ -181,6 +183,8 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
       (``[S]`` int32 each) and the sorted destination slots (``[M']`` int32, -1 = skip).
     T: total tokens. out_dtype: dtype of ``o``. v_blocks: V-blocks of ``BV`` per program (a warpgroup each,
       sharing the V-independent chunk inputs), 1 or 2 (``KdaTuning.prefill_v_blocks``); divides ``V / BV``.
+    interpret: the variant for interpret mode, whose accumulators cannot start from registers
+      (``_mosaic.accumulate``).
 
   Returns:
     ``o [T, H, V]`` in ``out_dtype``.
@@ -204,7 +208,7 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
   # each stash is stored after a commit_smem or a TMA store wait (both end in a warpgroup barrier) that follows
   # every warp's last read of it, and read only after the commit_smem that follows the store.
   return plgpu.kernel(
-      functools.partial(_state_body, K=K, wgs=wgs),
+      functools.partial(_state_body, K=K, wgs=wgs, interpret=interpret),
       out_type=jax.ShapeDtypeStruct((T, H, V), out_dtype),
       grid=(V // (BV * wgs), H, N), grid_names=("v", "h", "n"), num_threads=wgs, thread_name="wg",
       scratch_types=scratch, compiler_params=util.compiler_params(unsafe_no_auto_barriers=True),
