@@ -91,13 +91,12 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
       def first(acc_e, acc_o):
         plgpu.wgmma(acc_e, neg_w_b.at[st], st_s.T)
         plgpu.wgmma(acc_o, qg_b.at[st], st_s.T)
-        # While the products run: U and the decayed state (the next products' initial values).
-        u = plgpu.load(u_b.at[st, w], layout=WG, optimized=False).astype(f32)
-        s_dec = s * bcast_cols(plgpu.load(decay_b.at[st], layout=COLV, optimized=False), (BV, K))
-        return acc_e[...] + u, acc_o[...], s_dec
+        return acc_e[...], acc_o[...]
 
       phases.start("e_o")
-      e, o, s_dec = pl.run_scoped(first, plgpu.ACC((C, BV), f32), plgpu.ACC((C, BV), f32))
+      e, o = pl.run_scoped(first, plgpu.ACC((C, BV), f32), plgpu.ACC((C, BV), f32))
+      e = e + plgpu.load(u_b.at[st, w], layout=WG, optimized=False).astype(f32)
+      chunk_decay = plgpu.load(decay_b.at[st], layout=COLV, optimized=False)
       e_s[...] = e.astype(bf16)
       plgpu.commit_smem()
 
@@ -108,7 +107,7 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
       phases.start("state_o")
       # The new state and o accumulate onto the decayed state and the first o in place: a separate [BV, K]
       # product beside s would take 64 more registers a thread at the kernel's peak.
-      s, o = accumulate(second, s_dec, o, from_inits=not interpret)
+      s, o = accumulate(second, s * bcast_cols(chunk_decay, (BV, K)), o, from_inits=not interpret)
 
       # Every read of stage st by this warpgroup (wgmma and register loads) is complete; warpgroup 0 refills
       # it once all have said so (an arrival only when a refill follows: every phase is awaited).
