@@ -12,6 +12,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 IMPLS: tuple[str, ...] = ("xla", "pallas", "interpret")
@@ -138,6 +139,25 @@ class Phases:
 
   def end(self) -> None:
     self._open.close()
+
+
+def accumulate(products, *inits: jax.Array, from_inits: bool) -> tuple[jax.Array, ...]:
+  """``inits`` (f32 arrays in the WGMMA layout) plus what ``products(*acc_refs)`` issues into one accumulator
+  each (wgmma), as values.
+
+  ``from_inits``: the accumulators start at ``inits`` (``plgpu.ACC.init``), so the products need no second set
+  of registers and no adds after them. Interpret mode cannot start an accumulator from registers: with False
+  they start at zero and ``inits`` are added afterwards (the same sums, rounded in another order).
+  """
+  if from_inits:
+    return tuple(pl.run_state(lambda refs: products(*refs))(tuple(plgpu.ACC.init(x) for x in inits)))
+
+  def body(*refs):
+    products(*refs)
+    return tuple(r[...] for r in refs)
+
+  outs = pl.run_scoped(body, *(plgpu.ACC(x.shape, jnp.float32) for x in inits))
+  return tuple(x + y for x, y in zip(inits, outs))
 
 
 def finish_stores() -> None:

@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import util
-from pallas_kernels.kda._mosaic import COLV, WG, accumulate, bcast_cols, bf16, f32, tiled
+from pallas_kernels.kda._mosaic import COLV, WG, bcast_cols, bf16, f32, tiled
 from pallas_kernels.kda.config import CHUNK_SIZE as C
 
 BV = 64  # V-block of one warpgroup
@@ -107,7 +107,7 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
       phases.start("state_o")
       # The new state and o accumulate onto the decayed state and the first o in place: a separate [BV, K]
       # product beside s would take 64 more registers a thread at the kernel's peak.
-      s, o = accumulate(second, s * bcast_cols(chunk_decay, (BV, K)), o, from_inits=not interpret)
+      s, o = util.accumulate(second, s * bcast_cols(chunk_decay, (BV, K)), o, from_inits=not interpret)
 
       # Every read of stage st by this warpgroup (wgmma and register loads) is complete; warpgroup 0 refills
       # it once all have said so (an arrival only when a refill follows: every phase is awaited).
@@ -184,7 +184,7 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
     T: total tokens. out_dtype: dtype of ``o``. v_blocks: V-blocks of ``BV`` per program (a warpgroup each,
       sharing the V-independent chunk inputs), 1 or 2 (``KdaTuning.prefill_v_blocks``); divides ``V / BV``.
     interpret: the variant for interpret mode, whose accumulators cannot start from registers
-      (``_mosaic.accumulate``).
+      (``util.accumulate``).
 
   Returns:
     ``o [T, H, V]`` in ``out_dtype``.

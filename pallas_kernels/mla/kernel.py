@@ -127,12 +127,8 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
         plgpu.wgmma(acc_ref, tile.at[:, cols].T, p_ref.T)
       else:
         plgpu.wgmma(acc_ref, p_ref, tile.at[:, cols])
-      if smem_operands:
-        return acc_ref[...]
 
-    if smem_operands:
-      return acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
-    return pl.run_state(pv)(plgpu.ACC.init(acc))
+    return util.accumulate(pv, acc, from_inits=not smem_operands)[0]
 
   def release(i, slot):
     """Hands ring slot ``slot`` back to the memory warpgroup after page ``i``, if that slot is loaded again.

@@ -223,17 +223,13 @@ def _body(tab_ref, lo_ref, hi_ref, q_ref, kn_ref, kr_ref, v_ref, o_ref, lse_ref,
       return carry
 
     def pv(acc, p16, slot):
+      p_op = p16
       if smem_operands:
-        p_tile = p_stage[0].at[wg]
-        p_tile[...] = p16
+        p_op = p_stage[0].at[wg]
+        p_op[...] = p16
         plgpu.commit_smem()
-
-        def fresh(acc_ref):
-          plgpu.wgmma(acc_ref, p_tile, v_ring.at[slot])
-          return acc_ref[...]
-
-        return acc + pl.run_scoped(fresh, plgpu.ACC(o_shape, f32))
-      return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_ring.at[slot]))(plgpu.ACC.init(acc))
+      return util.accumulate(lambda acc_ref: plgpu.wgmma(acc_ref, p_op, v_ring.at[slot]), acc,
+                             from_inits=not smem_operands)[0]
 
     def step(i, carry, *, masked: bool):
       acc, m, l, hit = carry
