@@ -103,7 +103,9 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
   raw_k, kd_s = x_k
   raw_v, bv_s = x_v
   raw_g, (gsplit, tril), ph_diag, (stage_a, stage_b), (x_s, aqk_s) = y
-  c = lax.axis_index("c")
+  # Chunk slots in reverse order: the last items written, whose workspaces the L2 still holds when the state pass
+  # starts, are the first chunks of the first sequences, which the state pass's first programs read first.
+  c = tok_ref.shape[0] - 1 - lax.axis_index("c")
   h = lax.axis_index("h")
   t0 = tok_ref[c]
   n = len_ref[c]

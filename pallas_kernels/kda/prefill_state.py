@@ -210,6 +210,8 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
   return plgpu.kernel(
       functools.partial(_state_body, K=K, wgs=wgs, interpret=interpret),
       out_type=jax.ShapeDtypeStruct((T, H, V), out_dtype),
-      grid=(V // (BV * wgs), H, N), grid_names=("v", "h", "n"), num_threads=wgs, thread_name="wg",
+      # Heads fastest: the first programs are the first sequence's heads, which begin with the chunks the prep
+      # wrote last (see prefill_prep), still in the L2.
+      grid=(V // (BV * wgs), N, H), grid_names=("v", "n", "h"), num_threads=wgs, thread_name="wg",
       scratch_types=scratch, compiler_params=util.compiler_params(unsafe_no_auto_barriers=True),
   )(*seq_meta, *ck_meta, qg, kg, neg_w, u, aqk, chunk_decay, pool_ref)
