@@ -2,7 +2,7 @@
 
 Stage 1 (``prefill_prep``, chunk-parallel, grid = chunk slots × heads) turns the raw inputs of each
 64-token chunk into bf16 per-chunk operands in chunk-padded workspaces; stage 2 (``prefill_state``, grid =
-V-blocks × heads × sequences) runs the inter-chunk recurrence, writes ``o`` and reads/writes the state
+V-blocks × sequences × heads) runs the inter-chunk recurrence, writes ``o`` and reads/writes the state
 pool slots in place (the pool enters as a ``jax.new_ref``; donate it in the enclosing ``jax.jit`` to avoid
 a copy). Around the kernels there is only index arithmetic on ``[N]``/``[M]``-sized arrays and a transpose
 of ``beta_raw``; no state is gathered or scattered outside the kernels.
