@@ -1,10 +1,13 @@
-"""What every benchmark shares: the H200's measured ceilings, CUPTI kernel timings, L2-busting rotations.
+"""What every benchmark shares: the H200's measured ceilings, CUPTI kernel timings, a GPU timeline of back-to-back
+calls, L2-busting rotations.
 
 The ceilings are those measured on the H200 (benchmarks/RESULTS.md): a roofline fraction is a time against
 ``max(FLOPs / PEAK_BF16_FLOPS, bytes / COPY_BYTES_PER_S)``.
 """
 
 import contextlib
+import pathlib
+import tempfile
 
 import numpy as np
 
@@ -26,6 +29,63 @@ def cupti_kernels():
     yield records
   finally:
     records.extend(ext._cupti_get_timings(True))
+
+
+def gpu_events(profile) -> list[tuple[str, float, float]]:
+  """``(name, start_us, end_us)`` of the work on the first GPU's streams (kernels and copies) in a
+  ``jax.profiler.ProfileData``, by start time; the derived lines of that plane (XLA modules, ops) are left out."""
+  plane = next((p for p in profile.planes if p.name.startswith("/device:GPU:")), None)
+  if plane is None:
+    raise ValueError(f"profile has no GPU plane, planes: {[p.name for p in profile.planes]}")
+  events = [(e.name, e.start_ns / 1e3, (e.start_ns + e.duration_ns) / 1e3)
+            for line in plane.lines if line.name.startswith("Stream") for e in line.events]
+  return sorted(events, key=lambda e: e[1])
+
+
+def gpu_timeline(run, calls: int = 6) -> list[tuple[str, float, float]]:
+  """``gpu_events`` of ``run(calls)`` (back-to-back calls that block at the end) under ``jax.profiler``, after
+  two warm-up calls. The profiler's activity tracing may lengthen the gaps a little."""
+  import jax
+  from jax.profiler import ProfileData
+
+  run(2)
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      run(calls)
+    path, = pathlib.Path(d).rglob("*.xplane.pb")
+    return gpu_events(ProfileData.from_file(str(path)))
+
+
+def timeline_summary(events: list[tuple[str, float, float]], calls: int) -> dict:
+  """Where the wall time of ``calls`` back-to-back calls goes on the GPU (``events`` from ``gpu_events``, the same
+  kernels in every call). Per call, medians in us: ``period_us`` (start to start of consecutive calls),
+  ``busy_us`` (time some kernel runs), ``idle_in_call_us`` (between its first start and last end with nothing
+  running) and ``idle_between_calls_us``; ``steps``: per kernel position its name, median duration and the
+  median idle time before it (within the call; for the first kernel, since the previous call)."""
+  per_call, rest = divmod(len(events), calls)
+  if rest or not per_call:
+    raise ValueError(f"events: expected a multiple of calls={calls}, got {len(events)}: {[e[0] for e in events]}")
+  groups = [events[i * per_call:(i + 1) * per_call] for i in range(calls)]
+  if any([e[0] for e in g] != [e[0] for e in groups[0]] for g in groups):
+    raise ValueError(f"events: the calls do not run the same kernels in the same order: {[e[0] for e in events]}")
+
+  busy, idle_in, idle_between, before = [], [], [], [[] for _ in range(per_call)]
+  for c, g in enumerate(groups):
+    # Idle before kernel i: from the last end among the kernels before it (they may overlap) to its start.
+    gaps = [max(0.0, g[i][1] - max(e[2] for e in g[:i])) for i in range(1, per_call)]
+    idle_in.append(sum(gaps))
+    busy.append(max(e[2] for e in g) - g[0][1] - sum(gaps))
+    for i, gap in enumerate(gaps, 1):
+      before[i].append(gap)
+    if c:
+      idle_between.append(max(0.0, g[0][1] - max(e[2] for e in groups[c - 1])))
+      before[0].append(idle_between[-1])
+  med = lambda xs: float(np.median(xs)) if xs else float("nan")
+  return dict(
+      period_us=med(list(np.diff([g[0][1] for g in groups]))), busy_us=med(busy), idle_in_call_us=med(idle_in),
+      idle_between_calls_us=med(idle_between),
+      steps=[dict(name=groups[0][i][0][:80], us=med([g[i][2] - g[i][1] for g in groups]),
+                  idle_before_us=med(before[i])) for i in range(per_call)])
 
 
 def rotation_plan(state_bytes: int) -> tuple[int, int]:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks._harness import COPY_BYTES_PER_S, PEAK_BF16_FLOPS
+from benchmarks._harness import COPY_BYTES_PER_S, PEAK_BF16_FLOPS, gpu_timeline, timeline_summary
 from pallas_kernels import kda
 from pallas_kernels.kda.config import CHUNK_SIZE as C
 from pallas_kernels.testing import kda_gate_params, kda_inputs
@@ -438,6 +438,9 @@ def main():
   parser.add_argument("--profile", action="store_true",
                       help="only time the two stages separately (stage 2 also with checkpoints) and list every "
                       "kernel of a whole call with and without a checkpoint")
+  parser.add_argument("--timeline", action="store_true",
+                      help="only trace back-to-back calls of the base (8 x 1024 and T=8192, H=96) with jax.profiler: "
+                      "a call's wall time split into its kernels and the idle time between and around them")
   parser.add_argument("--runners", type=int, default=0,
                       help="only time this many runners of the base (T=8192 H=96) and list the kernels of the "
                       "fastest and slowest: does a runner have a speed of its own, and in which kernel")
@@ -457,6 +460,13 @@ def main():
   faulthandler.dump_traceback_later(args.watchdog, exit=True)
   print(f"devices: {jax.devices()}  commit: {args.commit}", flush=True)
   gate_bound = None if args.softplus else LB
+  if args.timeline:
+    calls = 6
+    for name, lens, H in (SHAPES[2], SHAPES[0]):
+      run, _ = ours_runner(make_inputs(lens, H), lens, H, lower_bound=gate_bound)
+      row = dict(wall_ms=bench(run, 20), **timeline_summary(gpu_timeline(run, calls), calls))
+      print(name, json.dumps(row), flush=True)
+    return 0
   if args.runners:
     name, lens, H = SHAPES[0]
     print(name, json.dumps(runner_modes(lens, H, args.runners)), flush=True)

@@ -1,6 +1,7 @@
 """CPU smoke runs of benchmarks/mla_prefill.py, benchmarks/long_prompt.py and benchmarks/prefix_cache.py at tiny
 sizes (f32, impl xla), kernel_profile.py's trace summary on a made-up trace, kda_prefill.py's paired
-overheads and kernel overheads on scripted times and its SMEM padding in interpret mode."""
+overheads and kernel overheads on scripted times and its SMEM padding in interpret mode, and the harness's GPU
+timeline on made-up profiles."""
 
 import argparse
 import contextlib
@@ -215,3 +216,82 @@ def test_kda_prefill_padded_smem_keeps_results():
   assert plgpu.kernel is real
   for a, b in zip(want, got, strict=True):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def _xspace(planes: str):
+  from jax.profiler import ProfileData
+  return ProfileData.from_text_proto(planes)
+
+
+def test_gpu_events_keep_the_stream_lines_of_the_gpu_plane():
+  profile = _xspace('''
+    planes { id: 1 name: "/host:CPU" lines { id: 1 name: "python" timestamp_ns: 0
+      events { metadata_id: 1 offset_ps: 0 duration_ps: 9000000 } }
+      event_metadata { key: 1 value { id: 1 name: "host_work" } } }
+    planes { id: 2 name: "/device:GPU:0"
+      lines { id: 1 name: "Stream #13(Compute)" timestamp_ns: 1000
+        events { metadata_id: 2 offset_ps: 5000000 duration_ps: 1000000 }
+        events { metadata_id: 1 offset_ps: 2000000 duration_ps: 2500000 } }
+      lines { id: 2 name: "XLA Ops" timestamp_ns: 1000
+        events { metadata_id: 1 offset_ps: 2000000 duration_ps: 2500000 } }
+      event_metadata { key: 1 value { id: 1 name: "prep" } }
+      event_metadata { key: 2 value { id: 2 name: "state" } } }''')
+  assert _harness.gpu_events(profile) == [("prep", 3.0, 5.5), ("state", 6.0, 7.0)]
+  with pytest.raises(ValueError, match="no GPU plane"):
+    _harness.gpu_events(_xspace('planes { id: 1 name: "/host:CPU" }'))
+
+
+def test_gpu_timeline_reads_the_profile_of_the_calls():
+  """On the CPU the trace of real jitted calls is written and read back, and has no GPU plane to report."""
+  import jax
+
+  f = jax.jit(lambda x: jnp.sin(x) @ x)
+  x = jnp.ones((32, 32))
+  calls = []
+
+  def run(n):
+    calls.append(n)
+    jax.block_until_ready([f(x) for _ in range(n)])
+
+  with pytest.raises(ValueError, match="no GPU plane"):
+    _harness.gpu_timeline(run, calls=3)
+  assert calls == [2, 3]
+
+
+def test_timeline_summary_splits_calls_into_kernels_and_idle_time():
+  # Three calls of three kernels (us): A 10 long, idle 2, B 5 long overlapping C (B 22-27, C 25-30); calls start
+  # every 40 us, so 10 us idle between calls; the second call's B starts 1 us later (idle 3 before it).
+  events = []
+  for c in range(3):
+    t = 40.0 * c
+    late = 1.0 if c == 1 else 0.0
+    events += [("A", t, t + 10), ("B", t + 12 + late, t + 17 + late), ("C", t + 15 + late, t + 30)]
+  got = _harness.timeline_summary(events, calls=3)
+  assert got["period_us"] == 40.0 and got["idle_between_calls_us"] == 10.0
+  assert got["idle_in_call_us"] == 2.0 and got["busy_us"] == 28.0
+  assert [s["name"] for s in got["steps"]] == ["A", "B", "C"]
+  assert [s["idle_before_us"] for s in got["steps"]] == [10.0, 2.0, 0.0]
+  assert [s["us"] for s in got["steps"]] == [10.0, 5.0, 15.0]
+  with pytest.raises(ValueError, match="multiple of calls=2"):
+    _harness.timeline_summary(events, calls=2)
+  with pytest.raises(ValueError, match="same kernels"):
+    _harness.timeline_summary(events[:3] + [("X", 40.0, 50.0)] + events[4:6], calls=2)
+
+
+def test_kda_prefill_timeline_prints_a_summary_per_shape(monkeypatch, capsys):
+  calls = 6
+  events = [e for c in range(calls) for e in (("prep", 40.0 * c, 40.0 * c + 25), ("state", 40.0 * c + 27,
+                                                                                    40.0 * c + 35))]
+  monkeypatch.setattr(kda_prefill, "make_inputs", lambda lens, H: None)
+  monkeypatch.setattr(kda_prefill, "ours_runner", lambda x, lens, H, **kw: (lambda n: None, None))
+  monkeypatch.setattr(kda_prefill, "gpu_timeline", lambda run, n: events[:2 * n])
+  monkeypatch.setattr(kda_prefill, "bench", lambda run, iters: 0.04)
+  monkeypatch.setattr(kda_prefill.faulthandler, "dump_traceback_later", lambda *a, **kw: None)  # no watchdog
+  monkeypatch.setattr(sys, "argv", ["kda_prefill.py", "--timeline"])
+  assert kda_prefill.main() == 0
+  rows = [line.split(" {", 1) for line in capsys.readouterr().out.splitlines() if " {" in line]
+  assert [name for name, _ in rows] == [kda_prefill.SHAPES[2][0], kda_prefill.SHAPES[0][0]]
+  for _, row in rows:
+    got = json.loads("{" + row)
+    assert got["wall_ms"] == 0.04 and got["period_us"] == 40.0 and got["idle_in_call_us"] == 2.0
+    assert [s["name"] for s in got["steps"]] == ["prep", "state"]
