@@ -39,6 +39,8 @@ def gpu_events(profile) -> list[tuple[str, float, float]]:
     raise ValueError(f"profile has no GPU plane, planes: {[p.name for p in profile.planes]}")
   events = [(e.name, e.start_ns / 1e3, (e.start_ns + e.duration_ns) / 1e3)
             for line in plane.lines if line.name.startswith("Stream") for e in line.events]
+  if not events:
+    raise ValueError(f"profile's GPU plane has no stream events, lines: {[line.name for line in plane.lines]}")
   return sorted(events, key=lambda e: e[1])
 
 

@@ -239,6 +239,8 @@ def test_gpu_events_keep_the_stream_lines_of_the_gpu_plane():
   assert _harness.gpu_events(profile) == [("prep", 3.0, 5.5), ("state", 6.0, 7.0)]
   with pytest.raises(ValueError, match="no GPU plane"):
     _harness.gpu_events(_xspace('planes { id: 1 name: "/host:CPU" }'))
+  with pytest.raises(ValueError, match="no stream events, lines: .'XLA Ops'"):
+    _harness.gpu_events(_xspace('planes { id: 1 name: "/device:GPU:0" lines { id: 1 name: "XLA Ops" } }'))
 
 
 def test_gpu_timeline_reads_the_profile_of_the_calls():
