@@ -67,15 +67,31 @@ def checkpoints(lens, per_seq: int):
           np.arange(N, N + len(offsets), dtype=np.int32))
 
 
+def _wall_ms(fn, n: int) -> float:
+  """Wall time of ``fn(n)`` (n back-to-back calls that block at the end), in ms."""
+  t = time.perf_counter()
+  fn(n)
+  return (time.perf_counter() - t) * 1e3
+
+
 def bench(fn, iters: int, reps: int = 5) -> float:
   """Median over ``reps`` of the mean wall time of ``iters`` back-to-back calls (ms); fn blocks at the end."""
   fn(1)
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    fn(iters)
-    times.append((time.perf_counter() - t) / iters * 1e3)
-  return float(np.median(times))
+  return float(np.median([_wall_ms(fn, iters) / iters for _ in range(reps)]))
+
+
+FIT_COUNTS = (4, 8, 16, 32, 64)
+
+
+def bench_fit(fn, counts=FIT_COUNTS, reps: int = 5) -> dict:
+  """A least-squares line through the median wall time of ``n`` back-to-back calls against ``n`` (``counts``):
+  ``per_call_ms``, its slope, is what one more call adds to a stream of calls; ``fixed_ms``, its intercept, what a
+  stream costs once (dispatching its first call, waking the host after its last), which ``bench`` spreads over
+  its ``iters`` calls. fn blocks at the end."""
+  fn(1)
+  med = [float(np.median([_wall_ms(fn, n) for _ in range(reps)])) for n in counts]
+  slope, intercept = np.polyfit(np.asarray(counts, float), np.asarray(med), 1)
+  return dict(per_call_ms=float(slope), fixed_ms=float(intercept))
 
 
 def ours_runner(x, lens, H: int, *, state_dtype=jnp.float32, per_seq_ckpt: int = 0,
@@ -153,8 +169,9 @@ def _torch_inputs(x):
 
 
 def _time_torch(call, name: str, iters: int):
-  """Times a torch peer (``call() -> o [T, H, V]``) as called back to back and replayed from a CUDA graph (ms;
-  the graph time is None when capture fails). Returns (as called, graph, ``o`` as f32 numpy)."""
+  """Times a torch peer (``call() -> o [T, H, V]``) as called back to back and replayed from a CUDA graph.
+  Returns (times, ``o`` as f32 numpy); times: ``called_ms`` and ``graph_ms`` (``bench``) and the ``bench_fit``
+  lines ``called_fit`` and ``graph_fit`` (the graph's None when capture fails)."""
   import torch
 
   with torch.no_grad():
@@ -165,8 +182,7 @@ def _time_torch(call, name: str, iters: int):
         call()
       torch.cuda.synchronize()
 
-    t_called = bench(run, iters)
-    t_graph = None
+    times = dict(called_ms=bench(run, iters), called_fit=bench_fit(run), graph_ms=None, graph_fit=None)
     try:
       s = torch.cuda.Stream()
       s.wait_stream(torch.cuda.current_stream())
@@ -183,10 +199,10 @@ def _time_torch(call, name: str, iters: int):
           graph.replay()
         torch.cuda.synchronize()
 
-      t_graph = bench(replay, iters)
+      times.update(graph_ms=bench(replay, iters), graph_fit=bench_fit(replay))
     except Exception as e:  # a capture failure leaves the as-called time as the peer's number
       print(f"  {name} CUDA graph capture failed: {type(e).__name__}: {e}", flush=True)
-  return t_called, t_graph, o
+  return times, o
 
 
 def fla(x, lower_bound: float | None, iters: int = 20):
@@ -495,8 +511,10 @@ def main():
   for name, lens, H in (SHAPES[i] for i in args.shapes):
     x = make_inputs(lens, H)
     T, N = int(sum(lens)), len(lens)
-    t_ours, o = ours(x, lens, H, lower_bound=gate_bound)
-    row = dict(shape=name, T=T, H=H, N=N, ours_ms=t_ours, mtok_s=T / t_ours / 1e3,
+    run, o = ours_runner(x, lens, H, lower_bound=gate_bound)
+    t_ours, fit_ours = bench(run, 20), bench_fit(run)
+    row = dict(shape=name, T=T, H=H, N=N, ours_ms=t_ours, ours_per_call_ms=fit_ours["per_call_ms"],
+               ours_fixed_ms=fit_ours["fixed_ms"], mtok_s=T / t_ours / 1e3,
                tflops=flops(T, H) / t_ours / 1e9,
                roofline_ms=max(flops(T, H) / PEAK_BF16_FLOPS, min_bytes(T, H, N, 4) / COPY_BYTES_PER_S) * 1e3)
     row["roofline_frac"] = row["roofline_ms"] / t_ours
@@ -504,13 +522,18 @@ def main():
       if peer in skip:
         continue
       try:
-        t_called, t_graph, o_peer = fn(x, gate_bound)
+        times, o_peer = fn(x, gate_bound)
       except Exception as e:  # keep our numbers when the peer is missing or fails
         print(f"  {peer} failed: {type(e).__name__}: {e}", flush=True)
         skip.add(peer)
         continue
-      best = min(t for t in (t_called, t_graph) if t is not None)
-      row.update({f"{peer}_called_ms": t_called, f"{peer}_graph_ms": t_graph, f"ratio_{peer}": best / t_ours,
+      best = min(t for t in (times["called_ms"], times["graph_ms"]) if t is not None)
+      best_fit = min((f for f in (times["called_fit"], times["graph_fit"]) if f is not None),
+                     key=lambda f: f["per_call_ms"])
+      row.update({f"{peer}_called_ms": times["called_ms"], f"{peer}_graph_ms": times["graph_ms"],
+                  f"ratio_{peer}": best / t_ours, f"{peer}_per_call_ms": best_fit["per_call_ms"],
+                  f"{peer}_fixed_ms": best_fit["fixed_ms"],
+                  f"ratio_{peer}_per_call": best_fit["per_call_ms"] / fit_ours["per_call_ms"],
                   f"rel_rmse_vs_{peer}": float(np.sqrt(np.mean((o - o_peer) ** 2)) / np.sqrt(np.mean(o_peer ** 2)))})
     if name in (SHAPES[0][0], SHAPES[2][0]) and not args.quick:
       # Every variant timed in the same rounds as the base: the overheads are medians of paired ratios.

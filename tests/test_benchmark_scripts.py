@@ -176,6 +176,22 @@ def test_kda_prefill_paired_overheads_cancel_drift(monkeypatch):
   np.testing.assert_allclose(out["base"]["ms"], 1.2, rtol=1e-9)
 
 
+def test_kda_prefill_bench_fit_separates_a_streams_fixed_cost(monkeypatch):
+  """Streams of n calls that cost 0.5 ms once and 1.2 ms per call, one stream of each length 10% slow: the fit
+  gives the slope and the intercept (medians), while ``bench`` over 20 calls spreads the fixed cost on them."""
+  clock, seen = [0.0], []
+
+  def run(n):
+    seen.append(n)
+    clock[0] += (0.5 + 1.2 * n) * 1e-3 * (1.1 if seen.count(n) == 2 else 1.0)
+
+  monkeypatch.setattr(kda_prefill.time, "perf_counter", lambda: clock[0])
+  fit = kda_prefill.bench_fit(run)
+  assert seen[0] == 1 and sorted(set(seen[1:])) == list(kda_prefill.FIT_COUNTS)
+  assert fit["per_call_ms"] == pytest.approx(1.2) and fit["fixed_ms"] == pytest.approx(0.5)
+  assert kda_prefill.bench(run, 20) == pytest.approx(1.2 + 0.5 / 20)
+
+
 def test_kda_prefill_kernel_overheads_leave_out_the_prep_mode():
   """A variant's kernel overhead counts its non-prep kernels only, over the base's rest plus the fastest prep: a
   slow prep (the executable's mode) adds nothing, an extra stage-2 cost does."""
