@@ -287,11 +287,11 @@ def prep_setup(lens, H: int, lower_bound: float | None = LB):
   T, N = int(sum(lens)), len(lens)
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)
   q, k, v, g = (bf(x[n]) for n in ("q", "k", "v", "g_raw"))
-  beta_t = jnp.pad(jnp.asarray(x["beta_raw"]).T, ((0, 0), (0, C)))
+  beta_p = jnp.pad(jnp.asarray(x["beta_raw"]), ((0, C), (0, 0)))
   num_slots = -(-T // C) + N
   table = prefill_kernel._chunk_table(jnp.asarray(x["cu"]), num_slots)
   prep, = prep_executables(1, lower_bound)
-  pargs = (q, k, v, g, beta_t, jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]), *table[3:])
+  pargs = (q, k, v, g, beta_p, jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]), *table[3:])
   return x, prep, pargs, table
 
 

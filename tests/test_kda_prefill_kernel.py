@@ -293,7 +293,7 @@ def test_prep_w_where_the_anchor_factor_is_below_f32():
   beta_raw = rng.standard_normal((T, 1)).astype(np.float32)
   bf = lambda x: jnp.asarray(x, jnp.bfloat16)
   args = (bf(rng.standard_normal((T, 1, K))), bf(k), bf(rng.standard_normal((T, 1, V))), jnp.asarray(g_raw),
-          jnp.pad(jnp.asarray(beta_raw).T, ((0, 0), (0, 64))), jnp.zeros((1,), jnp.float32),
+          jnp.pad(jnp.asarray(beta_raw), ((0, 64), (0, 0))), jnp.zeros((1,), jnp.float32),
           jnp.zeros((1, K), jnp.float32), jnp.zeros((1,), jnp.int32), jnp.full((1,), T, jnp.int32))
   with interpret_mode(True):
     neg_w = prefill_prep.prep(*args, scale=K ** -0.5, lower_bound=lb, smem_operands=True)[2]

@@ -4,8 +4,8 @@ Stage 1 (``prefill_prep``, chunk-parallel, grid = chunk slots × heads) turns th
 64-token chunk into bf16 per-chunk operands in chunk-padded workspaces; stage 2 (``prefill_state``, grid =
 V-blocks × sequences × heads) runs the inter-chunk recurrence, writes ``o`` and reads/writes the state
 pool slots in place (the pool enters as a ``jax.new_ref``; donate it in the enclosing ``jax.jit`` to avoid
-a copy). Around the kernels there is only index arithmetic on ``[N]``/``[M]``-sized arrays and a transpose
-of ``beta_raw``; no state is gathered or scattered outside the kernels.
+a copy). Around the kernels there is only index arithmetic on ``[N]``/``[M]``-sized arrays and a padded f32
+copy of ``beta_raw``; no state is gathered or scattered outside the kernels.
 
 The chunk slot table has a static size ``cdiv(T, 64) + N`` (every sequence adds at most one partial chunk);
 slots past the real chunks have length 0 and are skipped.
@@ -81,9 +81,9 @@ def _prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, cu_seqlens, state_pool, s
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
   num_slots = util.cdiv(T, C) + N
   chunk_start, nch, lens, tok, rows = _chunk_table(cu_seqlens, num_slots)
-  beta_t = jnp.pad(beta_raw.astype(jnp.float32).T, ((0, 0), (0, C)))
+  beta_p = jnp.pad(beta_raw.astype(jnp.float32), ((0, C), (0, 0)))  # one fusion (a transpose is kernels of its own)
   with interpret_mode(interpret):
-    work = prefill_prep.prep(q, k, v, g_raw, beta_t, A_log, dt_bias, tok, rows, scale=scale,
+    work = prefill_prep.prep(q, k, v, g_raw, beta_p, A_log, dt_bias, tok, rows, scale=scale,
                              lower_bound=config.lower_bound, smem_operands=interpret)
     ck = _checkpoint_table(checkpoint_indptr, checkpoint_offsets, checkpoint_slots, chunk_start, num_slots)
     seq_meta = (chunk_start, nch, cu_seqlens[:-1].astype(jnp.int32), lens.astype(jnp.int32),

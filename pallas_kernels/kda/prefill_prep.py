@@ -121,7 +121,7 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     validf = jnp.where(rowv < n, 1.0, 0.0)
     a = jnp.exp(alog_ref[h])
     dtb = plgpu.load(dtb_ref.at[h], layout=COLV, optimized=False)
-    beta_raw = plgpu.load(b_ref.at[h, pl.ds(t0, C)], layout=ROWV, optimized=False)
+    beta_raw = plgpu.load(b_ref.at[pl.ds(t0, C), h], layout=ROWV, optimized=False)  # a strided column
     beta = jnp.where(rowv < n, reciprocal(1.0 + jnp.exp(-beta_raw)), 0.0)  # a select: the next token may be NaN
 
     # Gate (log2 units). Rows past a partial chunk are zeroed first (they hold the next sequence's tokens, which
@@ -338,14 +338,14 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
     phases.end()
 
 
-def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_t: jax.Array, A_log: jax.Array,
+def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_p: jax.Array, A_log: jax.Array,
          dt_bias: jax.Array, chunk_tok: jax.Array, chunk_len: jax.Array, *, scale: float,
          lower_bound: float | None, smem_operands: bool) -> tuple[jax.Array, ...]:
   """Stage 1 over ``S = chunk_tok.shape[0]`` chunk slots (slots with ``chunk_len == 0`` are skipped).
 
   Args:
     q, k: ``[T, H, K]`` raw, 16-bit. v: ``[T, H, V]`` 16-bit. g_raw: ``[T, H, K]``.
-    beta_t: ``[H, T + C]`` f32, raw β transposed and padded by C columns (read a chunk at a time).
+    beta_p: ``[T + C, H]`` f32, raw β padded by C rows (a chunk's column is read at once, past T too).
     A_log: ``[H]`` f32. dt_bias: ``[H, K]`` f32.
     chunk_tok: ``[S]`` int32 first token of each chunk slot. chunk_len: ``[S]`` int32 valid rows (0..64).
     smem_operands: every wgmma operand from SMEM (interpret mode needs that); False takes the A operands of
@@ -382,4 +382,4 @@ def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_t: jax
   # other warps (their loads or their wgmmas) or is read by them next, and the TMA store waits end in one too.
   return plgpu.kernel(body, out_type=out_type, grid=(S, H), grid_names=("c", "h"), scratch_types=scratch,
                       compiler_params=util.compiler_params(approx_math=True, unsafe_no_auto_barriers=True))(
-      chunk_tok, chunk_len, q, k, v, g_raw, beta_t, A_log, dt_bias)
+      chunk_tok, chunk_len, q, k, v, g_raw, beta_p, A_log, dt_bias)
