@@ -71,6 +71,9 @@ def test_benchmark_summaries_quote_peer_ratios(tmp_path: pathlib.Path):
   path.write_text(json.dumps(dict(results=[dict(shape="N=1 T=8192 H=96", ours_ms=1.9, roofline_frac=0.5,
                                                 ratio_fla=1.37, ratio_flashkda=0.74)])))
   assert gpu_check._kda_prefill("", path) == "N=1 T=8192 H=96 1.900 ms, 50% of roofline, 1.37x FLA, 0.74x FlashKDA"
+  path.write_text(json.dumps(dict(results=[dict(shape="N=8x1024 H=96", ours_ms=1.2, roofline_frac=0.2,
+                                                ratio_flashkda=0.99, ratio_flashkda_per_call=1.02)])))
+  assert gpu_check._kda_prefill("", path) == "N=8x1024 H=96 1.200 ms, 20% of roofline, 0.99x FlashKDA (1.02x per call)"
   path.write_text("\n".join(json.dumps(dict(batch=32, context=32768, heads=h, cache=c, partial="float32", time_us=t,
                                             frac_copy=f, ratio_flashmla=r, vs_bf16=v, narrow=n))
                             for h, c, t, f, r, v, n in ((16, "bfloat16", 292.0, 0.98, None, None, True),

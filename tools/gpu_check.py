@@ -88,8 +88,15 @@ def _each(fmt: Callable[[dict], str]) -> Callable[[str, pathlib.Path], str]:
   return lambda _, path: "; ".join(fmt(r) for r in _rows(path))
 
 
+def _per_call(row: dict, peer: str) -> str:
+  """A peer's ratio per call in a stream (the line fit, which leaves out a stream's fixed cost), when measured."""
+  key = f"ratio_{peer}_per_call"
+  return f" ({row[key]:.2f}x per call)" if row.get(key) is not None else ""
+
+
 _kda_prefill = _each(lambda r: f"{r['shape']} {r['ours_ms']:.3f} ms, {r['roofline_frac']:.0%} of roofline"
-                               f"{_ratio(r, 'ratio_fla', 'FLA')}{_ratio(r, 'ratio_flashkda', 'FlashKDA')}")
+                               f"{_ratio(r, 'ratio_fla', 'FLA')}{_per_call(r, 'fla')}"
+                               f"{_ratio(r, 'ratio_flashkda', 'FlashKDA')}{_per_call(r, 'flashkda')}")
 _kda_decode = _each(lambda r: f"N={r['N']} H={r['H']} {r['state']} {r['ours_us']:.1f} us, "
                               f"{r['copy_frac']:.0%} of copy{_ratio(r, 'vs_fla', 'FLA')}")
 _short_conv = _each(lambda r: f"{r['phase']} N={r['N']} H={r['H']} {r['conv_us']:.1f} us, "
