@@ -313,3 +313,30 @@ def test_kda_prefill_timeline_prints_a_summary_per_shape(monkeypatch, capsys):
     got = json.loads("{" + row)
     assert got["wall_ms"] == 0.04 and got["period_us"] == 40.0 and got["idle_in_call_us"] == 2.0
     assert [s["name"] for s in got["steps"]] == ["prep", "state"]
+
+
+def test_kda_prefill_rows_quote_each_peers_ratio_per_stream_and_per_call(monkeypatch, tmp_path):
+  """A peer whose graph replay is its faster form: the 20-call ratio takes its ``bench`` time, the per-call ratio
+  its fitted slope, each against ours measured the same way; a peer that fails leaves the row without it."""
+  ours = np.ones((8, 1, 128), np.float32)
+  monkeypatch.setattr(kda_prefill, "make_inputs", lambda lens, H: None)
+  monkeypatch.setattr(kda_prefill, "ours_runner", lambda x, lens, H, **kw: ("ours", ours))
+  monkeypatch.setattr(kda_prefill, "bench", lambda run, iters: {"ours": 1.20}[run])
+  monkeypatch.setattr(kda_prefill, "bench_fit", lambda run: {"ours": dict(per_call_ms=1.16, fixed_ms=0.8)}[run])
+  fit = lambda per_call: dict(per_call_ms=per_call, fixed_ms=0.05)
+  peer = lambda x, bound: (dict(called_ms=1.30, graph_ms=1.19, called_fit=fit(1.25), graph_fit=fit(1.1832)), ours)
+
+  def broken(x, bound):
+    raise ImportError("not built")
+
+  monkeypatch.setattr(kda_prefill, "PEERS", (("flashkda", peer), ("fla", broken)))
+  monkeypatch.setattr(kda_prefill.faulthandler, "dump_traceback_later", lambda *a, **kw: None)  # no watchdog
+  out = tmp_path / "rows.json"
+  monkeypatch.setattr(sys, "argv", ["kda_prefill.py", "--quick", "--shapes", "2", "--json", str(out)])
+  assert kda_prefill.main() == 0
+  row, = json.loads(out.read_text())["results"]
+  assert row["ours_ms"] == 1.20 and row["ours_per_call_ms"] == 1.16 and row["ours_fixed_ms"] == 0.8
+  assert row["flashkda_graph_ms"] == 1.19 and row["flashkda_per_call_ms"] == 1.1832
+  assert row["ratio_flashkda"] == pytest.approx(1.19 / 1.20)
+  assert row["ratio_flashkda_per_call"] == pytest.approx(1.1832 / 1.16)
+  assert row["rel_rmse_vs_flashkda"] == 0.0 and not any(k.startswith(("fla_", "ratio_fla_")) for k in row)
