@@ -165,10 +165,18 @@ def test_kernel_dispatch(impl, monkeypatch):
   assert indptr.dtype == offsets.dtype == slots.dtype == jnp.int32
   assert offsets.shape == slots.shape == (0,)
   prefill_heuristic = default_tuning(num_seqs=2, num_heads=H, key_dim=K, value_dim=V, state_dtype=jnp.float32)
-  assert seen["tuning"] == {"v_blocks": prefill_heuristic.prefill_v_blocks}
+  assert seen["tuning"] == {"v_blocks": prefill_heuristic.prefill_v_blocks, "segments": 1}
   for v_blocks in (1, 2):
     assert kda_prefill(**a, config=KdaConfig(impl=impl, tuning=KdaTuning(prefill_v_blocks=v_blocks))) == "sentinel"
-    assert seen["tuning"] == {"v_blocks": v_blocks}
+    assert seen["tuning"] == {"v_blocks": v_blocks, "segments": 1}
+  # With segments the value-block rule counts the segments as sequences (a stand-in rule that takes 2 only for
+  # more than 40 sequences shows it), unless the value blocks are given.
+  monkeypatch.setattr(api.prefill_state, "choose_v_blocks", lambda num_seqs, num_heads, vdim: 2 if num_seqs > 40 else 1)
+  assert kda_prefill(**a, config=KdaConfig(impl=impl, tuning=KdaTuning(prefill_segments=40))) == "sentinel"
+  assert seen["tuning"] == {"v_blocks": 2, "segments": 40}
+  assert kda_prefill(**a, config=KdaConfig(impl=impl, tuning=KdaTuning(prefill_segments=40,
+                                                                       prefill_v_blocks=1))) == "sentinel"
+  assert seen["tuning"] == {"v_blocks": 1, "segments": 40}
   d = decode_args()
   assert kda_decode(**d, config=cfg) == "sentinel"
   assert seen["interpret"] == (impl == "interpret") and seen["args"][-1] is None

@@ -112,6 +112,36 @@ def test_prefill_matches_oracle_and_xla(kernel_impl, sizes, v_blocks, lower_boun
                 sizes["V"])
 
 
+# (sizes, segments, value blocks): a sequence shorter than its segments (lens 30 and 1 at G = 3), empty ones,
+# checkpoints inside and at the edges of segments (every chunk in EVERY_CHUNK), two value blocks with K = 64
+# (the transition pass then takes one).
+SEGMENT_CASES = [pytest.param(SMALL, 3, None, id="small-3"), pytest.param(SMALL_PAIR, 2, 2, id="small-pair-2"),
+                 pytest.param(dict(lens=(70, 0, 200, 1), H=1, K=64, V=64), 3, None, id="ragged-3"),
+                 pytest.param(LARGE, 3, None, id="large-3", marks=pytest.mark.gpu),
+                 pytest.param(LARGE, 6, 2, id="large-6-pair", marks=pytest.mark.gpu),
+                 pytest.param(EVERY_CHUNK, 6, None, id="every-chunk-6", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("lower_bound,state_dtype,saturated", GATES)
+@pytest.mark.parametrize("sizes,segments,v_blocks", SEGMENT_CASES)
+def test_segmented_state_pass_matches_oracle_and_xla(kernel_impl, sizes, segments, v_blocks, lower_bound,
+                                                     state_dtype, saturated):
+  """``KdaTuning.prefill_segments``: the state pass over runs of chunks in parallel (two passes and a combine)
+  gives the one-pass results within the same tolerances, untouched slots bitwise unchanged."""
+  x, pool, arrays, config = _problem(1, saturated=saturated, state_dtype=state_dtype, lower_bound=lower_bound,
+                                     **sizes)
+  inputs, pool_j, arrays_j = prefill_to_jax(x, pool, arrays, state_dtype)
+  tuning = kda.KdaTuning(prefill_segments=segments, prefill_v_blocks=v_blocks)
+  o, new_pool = run_prefill(inputs, pool_j, arrays_j, kernel_impl, tuning=tuning, **config)
+  ref_o, ref_pool = _oracle(inputs, pool_j, arrays, lower_bound=lower_bound)
+  T, H, _ = x["v"].shape
+  tol = PREFILL_TOL[jnp.dtype(state_dtype)]
+  check_prefill(o, new_pool, ref_o, ref_pool, pool_j, arrays, tol, T, H, sizes["V"])
+  xo, xpool = run_prefill(inputs, pool_j, arrays_j, "xla", **config)
+  check_prefill(o, new_pool, np.asarray(xo, np.float64), np.asarray(xpool, np.float64), pool_j, arrays, tol, T, H,
+                sizes["V"])
+
+
 def test_deterministic_and_shorter_than_a_chunk(kernel_impl):
   """Two runs are bitwise equal; T < 64 (one partial chunk per sequence, an empty sequence in between)."""
   x, pool, arrays, config = _problem(1, lens=(5, 0, 20), H=1, K=64, V=64, saturated=False,
@@ -209,9 +239,9 @@ def test_lowers_for_cuda(lower_bound, state_dtype, in_dtype):
   args += [arrays_j[n] for n in ("cu_seqlens",)] + [pool_j] + [
       arrays_j[n] for n in ("state_indices", "has_initial_state", "checkpoint_indptr", "checkpoint_offsets",
                             "checkpoint_slots")]
-  for v_blocks in (1, 2):
+  for v_blocks, segments in ((1, 1), (2, 1), (2, 3)):
     f = functools.partial(prefill_kernel._prefill, config=kda.KdaConfig(impl="pallas", **config),
-                          interpret=False, v_blocks=v_blocks)
+                          interpret=False, v_blocks=v_blocks, segments=segments)
     jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
 
 

@@ -52,6 +52,8 @@ GATE_KINDS = st.sampled_from(["init", "init", "A_log=16", "A_log=20"])
 STATE_DTYPES = st.sampled_from([jnp.float32, jnp.bfloat16])
 # Value blocks per program of the prefill's state pass: the heuristic, or either value where V allows it.
 V_BLOCKS = st.sampled_from([None, 1, 2] if HEAD_DIM % 128 == 0 else [None, 1])
+# Runs of chunks per sequence carried in parallel by the state pass: one pass, or two passes and a combine.
+SEGMENTS = st.sampled_from([None, 1, 2, 3])
 
 
 @st.composite
@@ -69,12 +71,12 @@ def prefill_batches(draw):
 
 @budget(cpu=4, gpu=8)
 @given(batch=prefill_batches(), seed=SEEDS, lower_bound=GATES, gate_kind=GATE_KINDS, spiky=st.booleans(),
-       state_dtype=STATE_DTYPES, v_blocks=V_BLOCKS)
+       state_dtype=STATE_DTYPES, v_blocks=V_BLOCKS, segments=SEGMENTS)
 # Found by this test: g = -1e13 per token (A_log = 20, g_raw = 1e5) once made the kernel's chunk cumulative
 # sums lose every digit of later tokens' gates (NaN and 77% error), until the per-token gate got a floor.
 @example(batch=([2, 16, 63], [False, True, False], [True, False, False], [], []), seed=15806, lower_bound=None,
-         gate_kind="A_log=20", spiky=True, state_dtype=jnp.bfloat16, v_blocks=None)
-def test_kda_prefill(kernel_impl, batch, seed, lower_bound, gate_kind, spiky, state_dtype, v_blocks):
+         gate_kind="A_log=20", spiky=True, state_dtype=jnp.bfloat16, v_blocks=None, segments=None)
+def test_kda_prefill(kernel_impl, batch, seed, lower_bound, gate_kind, spiky, state_dtype, v_blocks, segments):
   lens, has, no_slot, ckpts, ck_minus_one = batch
   rng = np.random.default_rng(seed)
   H, K = HEADS, HEAD_DIM
@@ -94,8 +96,8 @@ def test_kda_prefill(kernel_impl, batch, seed, lower_bound, gate_kind, spiky, st
                 checkpoint_offsets=np.asarray([c[1] for c in ckpts], np.int32), checkpoint_slots=ck_slots)
   inputs, pool_j, arrays_j = prefill_to_jax(x, pool, arrays, state_dtype)
   config = dict(lower_bound=lower_bound, state_dtype=state_dtype)
-  o, new_pool = run_prefill(inputs, pool_j, arrays_j, kernel_impl, tuning=KdaTuning(prefill_v_blocks=v_blocks),
-                            **config)
+  o, new_pool = run_prefill(inputs, pool_j, arrays_j, kernel_impl,
+                            tuning=KdaTuning(prefill_v_blocks=v_blocks, prefill_segments=segments), **config)
   xo, xpool = run_prefill(inputs, pool_j, arrays_j, "xla", **config)
   T = sum(lens)
   xo64, xpool64 = np.asarray(xo, np.float64), np.asarray(xpool, np.float64)

@@ -87,6 +87,8 @@ def default_tuning(*, num_seqs: int, num_heads: int, key_dim: int, value_dim: in
     ``N * H`` heads is latency bound (more programs spread it over more SMs), bigger ones once it is
     bandwidth bound; "tma" where ``K`` does not fit the direct paths. ``prefill_v_blocks``: 2 once the
     one-block programs of the state pass are more than one wave of SMs (``prefill_state.choose_v_blocks``).
+    ``prefill_segments``: 1 (one pass; the segmented pass is opt-in until it is faster than one pass on more
+    than the few-head shapes measured in benchmarks/RESULTS.md, session 34).
 
   Raises:
     ValueError: a size that is not an int (``num_seqs`` >= 0, the others >= 1) or a state dtype other than
@@ -99,7 +101,8 @@ def default_tuning(*, num_seqs: int, num_heads: int, key_dim: int, value_dim: in
   state_dtype = util.canonical_dtype("state_dtype", state_dtype, (jnp.float32, jnp.bfloat16))
   return KdaTuning(decode_state_io=decode_kernel.choose_state_io(num_seqs * num_heads, key_dim, value_dim,
                                                                  state_dtype),
-                   prefill_v_blocks=prefill_state.choose_v_blocks(num_seqs, num_heads, value_dim))
+                   prefill_v_blocks=prefill_state.choose_v_blocks(num_seqs, num_heads, value_dim),
+                   prefill_segments=1)
 
 
 def _resolve_tuning(tuning: KdaTuning | None, default: KdaTuning) -> KdaTuning:
@@ -164,8 +167,12 @@ def kda_prefill(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta
     return _prefill_xla(*args, config=config)
   tuning = _resolve_tuning(config.tuning, default_tuning(num_seqs=state_indices.shape[0], num_heads=H,
                                                          key_dim=K, value_dim=V, state_dtype=config.state_dtype))
+  v_blocks = tuning.prefill_v_blocks
+  if tuning.prefill_segments > 1 and (config.tuning is None or config.tuning.prefill_v_blocks is None):
+    # The state pass runs N * segments sequences: the value-block rule counts those.
+    v_blocks = prefill_state.choose_v_blocks(state_indices.shape[0] * tuning.prefill_segments, H, V)
   return prefill_kernel.kda_prefill_mosaic(*args, config=config, interpret=config.impl == "interpret",
-                                           v_blocks=tuning.prefill_v_blocks)
+                                           v_blocks=v_blocks, segments=tuning.prefill_segments)
 
 
 def kda_decode(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_raw: jax.Array, *,

@@ -35,10 +35,14 @@ class KdaTuning:
     prefill_v_blocks: value blocks of 64 columns per program of the prefill's state pass (a warpgroup each),
       1 or 2. Two share one load of the chunk inputs that do not depend on V (fewer bytes per block, more
       SMEM, half the programs); need ``V`` a multiple of 128.
+    prefill_segments: runs of whole chunks per sequence that the prefill's state pass carries in parallel
+      (>= 1): with more than one, a first pass computes each run's state transition, a combine gives each run
+      its starting state and a second pass writes ``o`` (README.md, "Segments").
   """
 
   decode_state_io: str | None = None
   prefill_v_blocks: int | None = None
+  prefill_segments: int | None = None
 
   def __post_init__(self):
     if self.decode_state_io is not None and self.decode_state_io not in DECODE_STATE_IO:
@@ -46,6 +50,10 @@ class KdaTuning:
     if self.prefill_v_blocks is not None and (isinstance(self.prefill_v_blocks, bool)
                                               or self.prefill_v_blocks not in (1, 2)):
       raise ValueError(f"prefill_v_blocks must be None, 1 or 2, got {self.prefill_v_blocks!r}")
+    if self.prefill_segments is not None and (not isinstance(self.prefill_segments, int)
+                                              or isinstance(self.prefill_segments, bool)
+                                              or self.prefill_segments < 1):
+      raise ValueError(f"prefill_segments must be None or an int >= 1, got {self.prefill_segments!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -5,7 +5,8 @@ Stage 1 (``prefill_prep``, chunk-parallel, grid = chunk slots × heads) turns th
 V-blocks × sequences × heads) runs the inter-chunk recurrence, writes ``o`` and reads/writes the state
 pool slots in place (the pool enters as a ``jax.new_ref``; donate it in the enclosing ``jax.jit`` to avoid
 a copy). Around the kernels there is only index arithmetic on ``[N]``/``[M]``-sized arrays and a padded f32
-copy of ``beta_raw``; no state is gathered or scattered outside the kernels.
+copy of ``beta_raw``; no state is gathered or scattered outside the kernels, except with
+``KdaTuning.prefill_segments`` > 1 (``_segmented_state_pass``: README.md, "Segments").
 
 The chunk slot table has a static size ``cdiv(T, 64) + N`` (every sequence adds at most one partial chunk);
 slots past the real chunks have length 0 and are skipped.
@@ -15,6 +16,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels import util
 from pallas_kernels.kda import prefill_prep, prefill_state
@@ -68,10 +70,10 @@ def _check_supported(K: int, V: int, v_blocks: int) -> None:
                               f"(prefill_v_blocks={v_blocks}), got {V}")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "v_blocks"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "v_blocks", "segments"))
 def _prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, cu_seqlens, state_pool, state_indices,
              has_initial_state, checkpoint_indptr, checkpoint_offsets, checkpoint_slots, *, config: KdaConfig,
-             interpret: bool, v_blocks: int):
+             interpret: bool, v_blocks: int, segments: int = 1):
   T, H, K = q.shape
   N = state_indices.shape[0]
   scale = K ** -0.5 if config.scale is None else config.scale
@@ -85,20 +87,87 @@ def _prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, cu_seqlens, state_pool, s
   with interpret_mode(interpret):
     work = prefill_prep.prep(q, k, v, g_raw, beta_p, A_log, dt_bias, tok, rows, scale=scale,
                              lower_bound=config.lower_bound, smem_operands=interpret)
-    ck = _checkpoint_table(checkpoint_indptr, checkpoint_offsets, checkpoint_slots, chunk_start, num_slots)
     seq_meta = (chunk_start, nch, cu_seqlens[:-1].astype(jnp.int32), lens.astype(jnp.int32),
                 state_indices, has_initial_state.astype(jnp.int32))
+    if segments > 1:
+      return _segmented_state_pass(work, seq_meta, state_pool,
+                                   (checkpoint_indptr, checkpoint_offsets, checkpoint_slots), T=T, G=segments,
+                                   out_dtype=q.dtype, v_blocks=v_blocks, interpret=interpret)
+    ck = _checkpoint_table(checkpoint_indptr, checkpoint_offsets, checkpoint_slots, chunk_start, num_slots)
     pool_ref = jax.new_ref(state_pool)
     o = prefill_state.state_pass(*work, pool_ref, seq_meta, ck, T=T, out_dtype=q.dtype, v_blocks=v_blocks,
                                  interpret=interpret)
   return o, pool_ref[...]
 
 
+def _segmented_state_pass(work, seq_meta, state_pool, ckpt, *, T: int, G: int, out_dtype, v_blocks: int,
+                          interpret: bool) -> tuple[jax.Array, jax.Array]:
+  """The state pass with every sequence cut into ``G`` runs of whole chunks ("segments") that run in parallel.
+
+  In the kernel's V-first frame a chunk maps the state ``Sᵀ`` to ``Sᵀ (diag(γ) + Wnᵀ Kg) + Uᵀ Kg``, so a
+  segment maps its first state to ``Sᵀ M + B``. The first pass runs every segment from a zero state with the
+  real U (its final state is B) and from the identity (K rows) with U = 0 (its final state is M); a combine runs
+  each sequence's segments in order from the sequence's initial state (f32, full precision); the second pass runs
+  the segments again from those states and writes ``o`` and the states into a temporary f32 pool, whose final
+  states and checkpoints then go into their pool slots, each rounded once to the pool dtype. A sequence shorter
+  than G chunks leaves some segments empty: their M is the identity and their B zero. A length-0 sequence follows
+  the kernel's rule (the zero state without an initial state; its slot untouched with one); -1 slots are written
+  nowhere. Args as ``prefill_state.state_pass`` (``ckpt``: the checkpoint indptr, offsets and slots).
+  """
+  qg, kg, neg_w, u, aqk, decay = work
+  chunk_start, nch, t0, lens, slots, has_init = seq_meta
+  N = nch.shape[0]
+  S, H, _, K = qg.shape
+  V = u.shape[-1]
+  NS = N * G
+  f32 = jnp.float32
+  # Segment (n, j): chunks [j L, min((j + 1) L, nch)) of sequence n, L = cdiv(nch, G).
+  L = (nch + G - 1) // G
+  first = jnp.arange(G, dtype=jnp.int32)[None, :] * L[:, None]
+  seg_meta = tuple(x.reshape(NS) for x in (chunk_start[:, None] + first, jnp.clip(nch[:, None] - first, 0, L[:, None]),
+                                            t0[:, None] + first * C,
+                                            jnp.clip(lens[:, None] - first * C, 0, L[:, None] * C)))
+  seg_meta += (jnp.arange(NS, dtype=jnp.int32),)
+
+  def state_pass(u_, pool, has_init_flag, ck):
+    ref = jax.new_ref(pool)
+    blocks = v_blocks if u_.shape[-1] % (prefill_state.BV * v_blocks) == 0 else 1
+    o = prefill_state.state_pass(qg, kg, neg_w, u_, aqk, decay, ref, (*seg_meta, jnp.full((NS,), has_init_flag,
+                                 jnp.int32)), ck, T=T, out_dtype=out_dtype, v_blocks=blocks, interpret=interpret)
+    return o, ref[...]
+
+  no_ck = _checkpoint_table(jnp.zeros(NS + 1, jnp.int32), jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32),
+                            seg_meta[0], S)
+  _, b = state_pass(u, jnp.zeros((NS, H, V, K), f32), 0, no_ck)
+  _, m = state_pass(jnp.zeros((S, H, C, K), u.dtype), jnp.broadcast_to(jnp.eye(K, dtype=f32), (NS, H, K, K)), 1,
+                    no_ck)
+  P = state_pool.shape[0]
+  s = jnp.where(((slots >= 0) & (has_init != 0))[:, None, None, None],
+                state_pool[jnp.clip(slots, 0, P - 1)].astype(f32), 0.0)
+  b, m = b.reshape(N, G, H, V, K), m.reshape(N, G, H, K, K)
+  starts = []
+  for j in range(G):
+    starts.append(s)
+    s = jnp.einsum("nhvk,nhkl->nhvl", s, m[:, j], precision=lax.Precision.HIGHEST) + b[:, j]
+  indptr, offsets, ck_slots = ckpt
+  M = offsets.shape[0]
+  # Checkpoints land in the temporary pool after the segments' own slots.
+  ck = _checkpoint_table(indptr, offsets, jnp.where(ck_slots >= 0, NS + jnp.arange(M, dtype=jnp.int32), -1),
+                         chunk_start, S)
+  o, temp = state_pass(u, jnp.concatenate([jnp.stack(starts, axis=1).reshape(NS, H, V, K),
+                                           jnp.zeros((M, H, V, K), f32)]), 1, ck)
+  final = temp[:NS].reshape(N, G, H, V, K)[:, G - 1]
+  write_final = (slots >= 0) & ((nch > 0) | (has_init == 0))
+  dst = jnp.concatenate([jnp.where(write_final, slots, P), jnp.where(ck_slots >= 0, ck_slots, P)])
+  pool = state_pool.at[dst].set(jnp.concatenate([final, temp[NS:]]).astype(state_pool.dtype), mode="drop")
+  return o, pool
+
+
 def kda_prefill_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_raw: jax.Array,
                        A_log: jax.Array, dt_bias: jax.Array, cu_seqlens: jax.Array, state_pool: jax.Array,
                        state_indices: jax.Array, has_initial_state: jax.Array, checkpoint_indptr: jax.Array,
                        checkpoint_offsets: jax.Array, checkpoint_slots: jax.Array, *, config: KdaConfig,
-                       interpret: bool, v_blocks: int) -> tuple[jax.Array, jax.Array]:
+                       interpret: bool, v_blocks: int, segments: int = 1) -> tuple[jax.Array, jax.Array]:
   """Kernel path of ``kda_prefill``: inputs already validated by the public API (same shapes and meaning).
 
   Args:
@@ -109,6 +178,7 @@ def kda_prefill_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Arra
     checkpoint_indptr: ``[N+1]`` int32; checkpoint_offsets, checkpoint_slots: ``[M]`` int32.
     config: ``KdaConfig``. interpret: run the same kernels in Mosaic GPU interpret mode (CPU).
     v_blocks: V-blocks per program of the state pass (``KdaTuning.prefill_v_blocks``).
+    segments: runs of whole chunks per sequence carried in parallel (``KdaTuning.prefill_segments``).
 
   Returns:
     ``o [T, H, V]`` in q's dtype and the new pool. Requires K in {64, 128} and V a multiple of 64 (128 with
@@ -124,5 +194,5 @@ def kda_prefill_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Arra
     q, k, v, g_raw, beta_raw = (util.pad_rows(x, C) for x in (q, k, v, g_raw, beta_raw))
   o, pool = _prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, cu_seqlens, state_pool, state_indices,
                      has_initial_state, checkpoint_indptr, checkpoint_offsets, checkpoint_slots, config=config,
-                     interpret=interpret, v_blocks=v_blocks)
+                     interpret=interpret, v_blocks=v_blocks, segments=segments)
   return o[:T], pool
