@@ -97,11 +97,16 @@ GATES_GPU = [pytest.param(-5.0, jnp.bfloat16, True, id="lb-bf16state-saturated",
 @pytest.mark.parametrize("lower_bound,state_dtype,saturated", GATES + GATES_GPU)
 @pytest.mark.parametrize("sizes,v_blocks", CASES)
 def test_prefill_matches_oracle_and_xla(kernel_impl, sizes, v_blocks, lower_bound, state_dtype, saturated):
-  x, pool, arrays, config = _problem(0, saturated=saturated, state_dtype=state_dtype, lower_bound=lower_bound,
+  _check_against_oracle_and_xla(kernel_impl, 0, sizes, kda.KdaTuning(prefill_v_blocks=v_blocks), lower_bound,
+                                state_dtype, saturated)
+
+
+def _check_against_oracle_and_xla(kernel_impl, seed, sizes, tuning, lower_bound, state_dtype, saturated):
+  """One ``_problem`` through the kernel with ``tuning``, against the float64 oracle and ``impl="xla"``."""
+  x, pool, arrays, config = _problem(seed, saturated=saturated, state_dtype=state_dtype, lower_bound=lower_bound,
                                      **sizes)
   inputs, pool_j, arrays_j = prefill_to_jax(x, pool, arrays, state_dtype)
-  o, new_pool = run_prefill(inputs, pool_j, arrays_j, kernel_impl, tuning=kda.KdaTuning(prefill_v_blocks=v_blocks),
-                            **config)
+  o, new_pool = run_prefill(inputs, pool_j, arrays_j, kernel_impl, tuning=tuning, **config)
   assert o.dtype == jnp.bfloat16
   ref_o, ref_pool = _oracle(inputs, pool_j, arrays, lower_bound=lower_bound)
   T, H, _ = x["v"].shape
@@ -128,18 +133,9 @@ def test_segmented_state_pass_matches_oracle_and_xla(kernel_impl, sizes, segment
                                                      state_dtype, saturated):
   """``KdaTuning.prefill_segments``: the state pass over runs of chunks in parallel (two passes and a combine)
   gives the one-pass results within the same tolerances, untouched slots bitwise unchanged."""
-  x, pool, arrays, config = _problem(1, saturated=saturated, state_dtype=state_dtype, lower_bound=lower_bound,
-                                     **sizes)
-  inputs, pool_j, arrays_j = prefill_to_jax(x, pool, arrays, state_dtype)
-  tuning = kda.KdaTuning(prefill_segments=segments, prefill_v_blocks=v_blocks)
-  o, new_pool = run_prefill(inputs, pool_j, arrays_j, kernel_impl, tuning=tuning, **config)
-  ref_o, ref_pool = _oracle(inputs, pool_j, arrays, lower_bound=lower_bound)
-  T, H, _ = x["v"].shape
-  tol = PREFILL_TOL[jnp.dtype(state_dtype)]
-  check_prefill(o, new_pool, ref_o, ref_pool, pool_j, arrays, tol, T, H, sizes["V"])
-  xo, xpool = run_prefill(inputs, pool_j, arrays_j, "xla", **config)
-  check_prefill(o, new_pool, np.asarray(xo, np.float64), np.asarray(xpool, np.float64), pool_j, arrays, tol, T, H,
-                sizes["V"])
+  _check_against_oracle_and_xla(kernel_impl, 1, sizes, kda.KdaTuning(prefill_segments=segments,
+                                                                     prefill_v_blocks=v_blocks),
+                                lower_bound, state_dtype, saturated)
 
 
 def test_deterministic_and_shorter_than_a_chunk(kernel_impl):
