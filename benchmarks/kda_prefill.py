@@ -95,16 +95,18 @@ def bench_fit(fn, counts=FIT_COUNTS, reps: int = 5) -> dict:
 
 
 def ours_runner(x, lens, H: int, *, state_dtype=jnp.float32, per_seq_ckpt: int = 0,
-                lower_bound: float | None = LB):
+                lower_bound: float | None = LB, segments: int | None = None):
   """``(run, o)``: ``run(n)`` makes n back-to-back jitted ``kda_prefill`` calls (the pool donated and threaded
-  through) and blocks; ``o`` is the first call's output (f32 NumPy). ``lower_bound`` None: the softplus gate."""
+  through) and blocks; ``o`` is the first call's output (f32 NumPy). ``lower_bound`` None: the softplus gate.
+  ``segments``: ``KdaTuning.prefill_segments`` (None: the heuristic)."""
   N = len(lens)
   ind, off, slots = checkpoints(lens, per_seq_ckpt) if per_seq_ckpt else (
       np.zeros(N + 1, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
   P = N + len(off)
   pool = np.zeros((P, H, V, K), np.float32)
   pool[:N] = x["h0"]
-  cfg = kda.KdaConfig(lower_bound=lower_bound, state_dtype=state_dtype, impl="pallas")
+  cfg = kda.KdaConfig(lower_bound=lower_bound, state_dtype=state_dtype, impl="pallas",
+                      tuning=kda.KdaTuning(prefill_segments=segments))
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)
   args = (bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["g_raw"]), bf(x["beta_raw"]), jnp.asarray(x["A_log"]),
           jnp.asarray(x["dt_bias"]), jnp.asarray(x["cu"]))
@@ -470,6 +472,9 @@ def main():
                       help="the softplus gate (Kimi-Linear's) instead of the lower-bound gate: the whole call "
                       "against FLA (FlashKDA has no such gate), or with --placement or --executables the prep")
   parser.add_argument("--quick", action="store_true", help="no bf16-state and checkpoint rows (make gpu-check)")
+  parser.add_argument("--segments", type=int, nargs="*", default=[],
+                      help="also time ours with KdaTuning.prefill_segments set to each of these (ours_seg{G}_* "
+                      "columns, and o's rel RMSE against the default's)")
   parser.add_argument("--shapes", type=int, nargs="+", default=list(range(len(SHAPES))),
                       help="indices into SHAPES, in the order to run them")
   args = parser.parse_args()
@@ -518,6 +523,10 @@ def main():
                tflops=flops(T, H) / t_ours / 1e9,
                roofline_ms=max(flops(T, H) / PEAK_BF16_FLOPS, min_bytes(T, H, N, 4) / COPY_BYTES_PER_S) * 1e3)
     row["roofline_frac"] = row["roofline_ms"] / t_ours
+    for G in args.segments:
+      run_g, o_g = ours_runner(x, lens, H, lower_bound=gate_bound, segments=G)
+      row.update({f"ours_seg{G}_ms": bench(run_g, 20), f"ours_seg{G}_per_call_ms": bench_fit(run_g)["per_call_ms"],
+                  f"rel_rmse_seg{G}_vs_ours": float(np.sqrt(np.mean((o_g - o) ** 2)) / np.sqrt(np.mean(o ** 2)))})
     for peer, fn in PEERS:
       if peer in skip:
         continue

@@ -340,3 +340,24 @@ def test_kda_prefill_rows_quote_each_peers_ratio_per_stream_and_per_call(monkeyp
   assert row["ratio_flashkda"] == pytest.approx(1.19 / 1.20)
   assert row["ratio_flashkda_per_call"] == pytest.approx(1.1832 / 1.16)
   assert row["rel_rmse_vs_flashkda"] == 0.0 and not any(k.startswith(("fla_", "ratio_fla_")) for k in row)
+
+
+def test_kda_prefill_segments_rows(monkeypatch, tmp_path):
+  """``--segments``: each G times ours again with ``prefill_segments=G`` (20 calls and per call) and compares its
+  ``o`` with the default's."""
+  runs = {None: ("ours", np.ones((8, 1, 128), np.float32)), 6: ("seg6", np.full((8, 1, 128), 1.01, np.float32))}
+  monkeypatch.setattr(kda_prefill, "make_inputs", lambda lens, H: None)
+  monkeypatch.setattr(kda_prefill, "ours_runner", lambda x, lens, H, segments=None, **kw: runs[segments])
+  monkeypatch.setattr(kda_prefill, "bench", lambda run, iters: {"ours": 0.40, "seg6": 0.33}[run])
+  monkeypatch.setattr(kda_prefill, "bench_fit",
+                      lambda run: {"ours": dict(per_call_ms=0.37, fixed_ms=0.5), "seg6": dict(per_call_ms=0.31,
+                                                                                               fixed_ms=0.4)}[run])
+  monkeypatch.setattr(kda_prefill, "PEERS", ())
+  monkeypatch.setattr(kda_prefill.faulthandler, "dump_traceback_later", lambda *a, **kw: None)  # no watchdog
+  out = tmp_path / "rows.json"
+  monkeypatch.setattr(sys, "argv", ["kda_prefill.py", "--quick", "--shapes", "3", "--segments", "6", "--json",
+                                    str(out)])
+  assert kda_prefill.main() == 0
+  row, = json.loads(out.read_text())["results"]
+  assert row["ours_ms"] == 0.40 and row["ours_seg6_ms"] == 0.33 and row["ours_seg6_per_call_ms"] == 0.31
+  assert row["rel_rmse_seg6_vs_ours"] == pytest.approx(0.01, rel=1e-4)
