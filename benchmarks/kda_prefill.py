@@ -24,7 +24,7 @@ import numpy as np
 from benchmarks._harness import COPY_BYTES_PER_S, PEAK_BF16_FLOPS, gpu_timeline, timeline_summary
 from pallas_kernels import kda
 from pallas_kernels.kda.config import CHUNK_SIZE as C
-from pallas_kernels.testing import kda_gate_params, kda_inputs
+from pallas_kernels.testing import kda_gate_params, kda_inputs, rel_rmse
 
 # FLA's chunk_kda hands its call to FlashKDA when that is importable (its backend dispatch): the FLA column
 # measures FLA's own Triton kernels, and FlashKDA has its own column.
@@ -444,7 +444,7 @@ def check_vs_xla(lens=(0, 300, 700), H: int = 4) -> float:
                            state_indices=jnp.arange(N, dtype=jnp.int32), has_initial_state=jnp.ones(N, bool),
                            config=kda.KdaConfig(lower_bound=LB, impl=impl))
     outs.append(np.asarray(o, np.float64))
-  return float(np.sqrt(np.mean((outs[0] - outs[1]) ** 2)) / np.sqrt(np.mean(outs[1] ** 2)))
+  return rel_rmse(outs[0], outs[1])
 
 
 def main():
@@ -526,7 +526,7 @@ def main():
     for G in args.segments:
       run_g, o_g = ours_runner(x, lens, H, lower_bound=gate_bound, segments=G)
       row.update({f"ours_seg{G}_ms": bench(run_g, 20), f"ours_seg{G}_per_call_ms": bench_fit(run_g)["per_call_ms"],
-                  f"rel_rmse_seg{G}_vs_ours": float(np.sqrt(np.mean((o_g - o) ** 2)) / np.sqrt(np.mean(o ** 2)))})
+                  f"rel_rmse_seg{G}_vs_ours": rel_rmse(o_g, o)})
     for peer, fn in PEERS:
       if peer in skip:
         continue
@@ -543,7 +543,7 @@ def main():
                   f"ratio_{peer}": best / t_ours, f"{peer}_per_call_ms": best_fit["per_call_ms"],
                   f"{peer}_fixed_ms": best_fit["fixed_ms"],
                   f"ratio_{peer}_per_call": best_fit["per_call_ms"] / fit_ours["per_call_ms"],
-                  f"rel_rmse_vs_{peer}": float(np.sqrt(np.mean((o - o_peer) ** 2)) / np.sqrt(np.mean(o_peer ** 2)))})
+                  f"rel_rmse_vs_{peer}": rel_rmse(o, o_peer)})
     if name in (SHAPES[0][0], SHAPES[2][0]) and not args.quick:
       # Every variant timed in the same rounds as the base: the overheads are medians of paired ratios.
       # base_again is the base once more with its own jitted executable and buffers: the control for what a
