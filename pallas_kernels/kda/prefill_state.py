@@ -213,5 +213,6 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
       # Heads fastest: the first programs are the first sequence's heads, which begin with the chunks the prep
       # wrote last (see prefill_prep), still in the L2.
       grid=(V // (BV * wgs), N, H), grid_names=("v", "n", "h"), num_threads=wgs, thread_name="wg",
+      kernel_name="kda_prefill_state",
       scratch_types=scratch, compiler_params=util.compiler_params(unsafe_no_auto_barriers=True),
   )(*seq_meta, *ck_meta, qg, kg, neg_w, u, aqk, chunk_decay, pool_ref)

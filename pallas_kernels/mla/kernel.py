@@ -538,6 +538,7 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
       grid_names=("split", "b", "hb"),
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
+      kernel_name="mla_decode_" + ("narrow" if narrow else "wide") + ("_fp8" if fp8 else ""),
       scratch_types=(
           tile((rows, dim), q_pad.dtype),
           ring,
