@@ -310,7 +310,7 @@ def profile(lens, H: int, iters: int = 10) -> dict:
   cu = jnp.asarray(x["cu"])
   prep_one, = prep_executables(1)  # a second jitted prep, traced with padded SMEM (below)
   work = prep(*pargs)
-  seq_meta = (chunk_start, nch, cu[:-1], seq_lens, jnp.arange(N, dtype=jnp.int32), jnp.ones(N, jnp.int32))
+  seq_meta = jnp.stack([chunk_start, nch, cu[:-1], seq_lens, jnp.arange(N, dtype=jnp.int32), jnp.ones(N, jnp.int32)])
 
   default_v_blocks = kda.default_tuning(num_seqs=N, num_heads=H, key_dim=K, value_dim=V,
                                         state_dtype=jnp.float32).prefill_v_blocks

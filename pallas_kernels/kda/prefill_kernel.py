@@ -16,6 +16,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels import util
@@ -50,13 +51,14 @@ def _checkpoint_table(indptr, offsets, slots, chunk_start, num_slots: int):
   """Checkpoints sorted by the chunk slot after which they are taken, and each slot's range in that list."""
   M = offsets.shape[0]
   if M == 0:
-    sorted_chunk = jnp.full((1,), -1, jnp.int32)
-    sorted_slot = jnp.full((1,), -1, jnp.int32)
-  else:
-    seq = _search(indptr, jnp.arange(M, dtype=jnp.int32), "right") - 1
-    chunk = chunk_start[seq] + offsets // C - 1
-    order = jnp.argsort(chunk, stable=True)
-    sorted_chunk, sorted_slot = chunk[order].astype(jnp.int32), slots[order]
+    # No checkpoints (a static shape): empty ranges as constants, which XLA embeds in the executable; computed
+    # as arrays they would be kernels of their own on every call. The list holds one unread -1.
+    empty = jnp.asarray(np.zeros(num_slots, np.int32))
+    return empty, empty, jnp.asarray(np.full(1, -1, np.int32))
+  seq = _search(indptr, jnp.arange(M, dtype=jnp.int32), "right") - 1
+  chunk = chunk_start[seq] + offsets // C - 1
+  order = jnp.argsort(chunk, stable=True)
+  sorted_chunk, sorted_slot = chunk[order].astype(jnp.int32), slots[order]
   ids = jnp.arange(num_slots, dtype=jnp.int32)
   lo, hi = _search(sorted_chunk, ids, "left"), _search(sorted_chunk, ids, "right")
   return lo, hi, sorted_slot.astype(jnp.int32)
@@ -87,8 +89,9 @@ def _prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, cu_seqlens, state_pool, s
   with interpret_mode(interpret):
     work = prefill_prep.prep(q, k, v, g_raw, beta_p, A_log, dt_bias, tok, rows, scale=scale,
                              lower_bound=config.lower_bound, smem_operands=interpret)
-    seq_meta = (chunk_start, nch, cu_seqlens[:-1].astype(jnp.int32), lens.astype(jnp.int32),
-                state_indices, has_initial_state.astype(jnp.int32))
+    # One [6, N] table (prefill_state.SEQ_META_ROWS): XLA builds it in one kernel.
+    seq_meta = jnp.stack([chunk_start, nch, cu_seqlens[:-1].astype(jnp.int32), lens.astype(jnp.int32),
+                          state_indices, has_initial_state.astype(jnp.int32)])
     if segments > 1:
       return _segmented_state_pass(work, seq_meta, state_pool,
                                    (checkpoint_indptr, checkpoint_offsets, checkpoint_slots), T=T, G=segments,
@@ -112,7 +115,8 @@ def _segmented_state_pass(work, seq_meta, state_pool, ckpt, *, T: int, G: int, o
   states and checkpoints then go into their pool slots, each rounded once to the pool dtype. A sequence shorter
   than G chunks leaves some segments empty: their M is the identity and their B zero. A length-0 sequence follows
   the kernel's rule (the zero state without an initial state; its slot untouched with one); -1 slots are written
-  nowhere. Args as ``prefill_state.state_pass`` (``ckpt``: the checkpoint indptr, offsets and slots).
+  nowhere. Args as ``prefill_state.state_pass`` (``seq_meta`` as its rows; ``ckpt``: the checkpoint indptr,
+  offsets and slots).
   """
   qg, kg, neg_w, u, aqk, decay = work
   chunk_start, nch, t0, lens, slots, has_init = seq_meta
@@ -132,8 +136,9 @@ def _segmented_state_pass(work, seq_meta, state_pool, ckpt, *, T: int, G: int, o
   def state_pass(u_, pool, has_init_flag, ck):
     ref = jax.new_ref(pool)
     blocks = v_blocks if u_.shape[-1] % (prefill_state.BV * v_blocks) == 0 else 1
-    o = prefill_state.state_pass(qg, kg, neg_w, u_, aqk, decay, ref, (*seg_meta, jnp.full((NS,), has_init_flag,
-                                 jnp.int32)), ck, T=T, out_dtype=out_dtype, v_blocks=blocks, interpret=interpret)
+    meta = jnp.stack([*seg_meta, jnp.full((NS,), has_init_flag, jnp.int32)])
+    o = prefill_state.state_pass(qg, kg, neg_w, u_, aqk, decay, ref, meta, ck, T=T, out_dtype=out_dtype,
+                                 v_blocks=blocks, interpret=interpret)
     return o, ref[...]
 
   no_ck = _checkpoint_table(jnp.zeros(NS + 1, jnp.int32), jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32),

@@ -20,9 +20,10 @@ from pallas_kernels.kda.config import CHUNK_SIZE as C
 
 BV = 64  # V-block of one warpgroup
 NBUF = 2  # prefetch depth (stages of the chunk-input ring)
+SEQ_META_ROWS = 6  # rows of ``state_pass``'s per-sequence table
 
 
-def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref,
+def _state_body(meta_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref,
                 qg_ref, kg_ref, neg_w_ref, u_ref, aqk_ref, decay_ref, pool_ref,
                 o_ref,
                 neg_w_b, kg_b, qg_b, u_b, aqk_b, decay_b, o_s, *rest, K: int, wgs: int, interpret: bool):
@@ -30,12 +31,8 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
   vg = lax.axis_index("v")
   h = lax.axis_index("h")
   n = lax.axis_index("n")
-  cs = cs_ref[n]
-  nch = nch_ref[n]
-  t0 = tok_ref[n]
-  seq_len = len_ref[n]
-  slot = slot_ref[n]
-  has_init = (slot >= 0) & (init_ref[n] != 0)
+  cs, nch, t0, seq_len, slot, init = (meta_ref[r, n] for r in range(SEQ_META_ROWS))
+  has_init = (slot >= 0) & (init != 0)
 
   def issue(i, st):
     """Warpgroup 0 loads chunk i's inputs into stage st: the V-independent ones once, U per warpgroup."""
@@ -170,15 +167,15 @@ def choose_v_blocks(num_seqs: int, num_heads: int, vdim: int) -> int:
 
 
 def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk: jax.Array,
-               chunk_decay: jax.Array, pool_ref, seq_meta: tuple[jax.Array, ...], ck_meta: tuple[jax.Array, ...],
+               chunk_decay: jax.Array, pool_ref, seq_meta: jax.Array, ck_meta: tuple[jax.Array, ...],
                *, T: int, out_dtype, v_blocks: int, interpret: bool = False) -> jax.Array:
   """Stage 2. Writes final states / checkpoints into ``pool_ref`` (a ``jax.new_ref`` of the pool) in place.
 
   Args:
     qg, kg, neg_w, u, aqk, chunk_decay: stage-1 workspaces (``prefill_prep.prep``), chunk slots first.
     pool_ref: ref of the ``[P, H, V, K]`` pool (f32 or bf16).
-    seq_meta: ``[N]`` int32 each: first chunk slot, number of chunks, first token, length, pool slot,
-      has-initial-state (0/1).
+    seq_meta: ``[SEQ_META_ROWS, N]`` int32, one row each: first chunk slot, number of chunks, first token,
+      length, pool slot, has-initial-state (0/1). One array, so that XLA builds it in one kernel.
     ck_meta: checkpoints sorted by chunk slot: per chunk slot the range ``[lo, hi)`` into the sorted list
       (``[S]`` int32 each) and the sorted destination slots (``[M']`` int32, -1 = skip).
     T: total tokens. out_dtype: dtype of ``o``. v_blocks: V-blocks of ``BV`` per program (a warpgroup each,
@@ -191,7 +188,9 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
   """
   _, H, _, K = qg.shape
   V = u.shape[-1]
-  N = seq_meta[0].shape[0]
+  if seq_meta.shape[0] != SEQ_META_ROWS:
+    raise ValueError(f"seq_meta must have {SEQ_META_ROWS} rows, got shape {seq_meta.shape}")
+  N = seq_meta.shape[1]
   wgs = v_blocks
   if wgs not in (1, 2) or (V // BV) % wgs:
     raise ValueError(f"v_blocks must be 1 or 2 and divide V / {BV} = {V // BV}, got {v_blocks}")
@@ -215,4 +214,4 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
       grid=(V // (BV * wgs), N, H), grid_names=("v", "n", "h"), num_threads=wgs, thread_name="wg",
       kernel_name="kda_prefill_state",
       scratch_types=scratch, compiler_params=util.compiler_params(unsafe_no_auto_barriers=True),
-  )(*seq_meta, *ck_meta, qg, kg, neg_w, u, aqk, chunk_decay, pool_ref)
+  )(seq_meta, *ck_meta, qg, kg, neg_w, u, aqk, chunk_decay, pool_ref)
