@@ -42,7 +42,7 @@ EXPECTED = {
     "mla-decode-hq128-bf16": (("mla_decode_wide",), 2),
     "mla-decode-hq16-fp8": (("mla_decode_narrow_fp8",), 3),
     "mla-decode-hq128-fp8": (("mla_decode_wide_fp8",), 2),
-    "short-conv-prefill": (("short_conv_prefill",), 5),
+    "short-conv-prefill": (("short_conv_prefill",), 3),
     "mla-prefill-8192-h16": (("mla_prefill",), 6),
 }
 SUFFIX = "_mosaic_gpu_kernel"  # what Mosaic GPU appends to a kernel's name

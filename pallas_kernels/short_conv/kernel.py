@@ -265,9 +265,10 @@ def _prefill(x, weight, cu_seqlens, conv_pool, state_indices, has_initial_state,
   starts, lengths = cu[:-1], cu[1:] - cu[:-1]
   # Index arithmetic on [T]- and [N]-sized int arrays: which tokens the token programs leave to the sequence
   # programs (the first W - 1 of each sequence, and the padding past T).
-  head = jnp.zeros((padded,), jnp.int32).at[num_tokens:].set(1)
-  for j in range(hist_len):
-    head = head.at[jnp.where(j < lengths, starts + j, padded)].set(1, mode="drop")
+  # One scatter of every sequence's first W - 1 positions (XLA fuses the padding's mask into it).
+  j = jnp.arange(hist_len, dtype=jnp.int32)
+  first = jnp.where(j[None, :] < lengths[:, None], starts[:, None] + j[None, :], padded).reshape(-1)
+  head = (jnp.arange(padded, dtype=jnp.int32) >= num_tokens).astype(jnp.int32).at[first].set(1, mode="drop")
   slots = state_indices.astype(jnp.int32)
   read = (has_initial_state & (slots >= 0)).astype(jnp.int32)
   checkpoints = checkpoint_indptr is not None and checkpoint_offsets.shape[0] > 0
