@@ -22,11 +22,13 @@ BV = 64  # V-block of one warpgroup
 NBUF = 2  # prefetch depth (stages of the chunk-input ring)
 
 
-def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref,
-                qg_ref, kg_ref, neg_w_ref, u_ref, aqk_ref, decay_ref, pool_ref,
-                o_ref,
-                neg_w_b, kg_b, qg_b, u_b, aqk_b, decay_b, o_s, *rest, K: int, wgs: int, interpret: bool):
-  wg_bufs, (bars, consumed, pool_bar) = rest[:wgs], rest[wgs:]
+def _state_body(*refs, K: int, wgs: int, interpret: bool, real_rows: int | None):
+  (cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref,
+   qg_ref, kg_ref, neg_w_ref, u_ref, aqk_ref, decay_ref, pool_ref) = refs[:16]
+  with_o = real_rows is None  # else the transition pass: no o, rows past real_rows start as the identity
+  o_ref, refs = (refs[16], refs[17:]) if with_o else (None, refs[16:])
+  neg_w_b, kg_b, qg_b, u_b, aqk_b, decay_b, o_s = refs[:7]
+  wg_bufs, (bars, consumed, pool_bar) = refs[7:7 + wgs], refs[7 + wgs:]
   vg = lax.axis_index("v")
   h = lax.axis_index("h")
   n = lax.axis_index("n")
@@ -43,11 +45,15 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
     bar = bars.at[st]
     plgpu.copy_gmem_to_smem(neg_w_ref.at[gc, h], neg_w_b.at[st], bar)
     plgpu.copy_gmem_to_smem(kg_ref.at[gc, h], kg_b.at[st], bar)
-    plgpu.copy_gmem_to_smem(qg_ref.at[gc, h], qg_b.at[st], bar)
-    plgpu.copy_gmem_to_smem(aqk_ref.at[gc, h], aqk_b.at[st], bar)
+    if with_o:
+      plgpu.copy_gmem_to_smem(qg_ref.at[gc, h], qg_b.at[st], bar)
+      plgpu.copy_gmem_to_smem(aqk_ref.at[gc, h], aqk_b.at[st], bar)
     plgpu.copy_gmem_to_smem(decay_ref.at[gc, h], decay_b.at[st], bar)
     for w in range(wgs):
-      plgpu.copy_gmem_to_smem(u_ref.at[gc, h, :, pl.ds((vg * wgs + w) * BV, BV)], u_b.at[st, w], bar)
+      col = (vg * wgs + w) * BV
+      if not with_o:  # an identity row block loads some U block it ignores (the stage's arrivals are fixed)
+        col = lax.rem(col, u_ref.shape[-1])
+      plgpu.copy_gmem_to_smem(u_ref.at[gc, h, :, pl.ds(col, BV)], u_b.at[st, w], bar)
 
   def warpgroup(w: int):
     """One V-block's recurrence. Its state stash, E stash and pool staging share one SMEM union: the staging
@@ -68,6 +74,9 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
     # Uninitialised SMEM may hold NaN: select, never multiply by 0.
     init_rows = plgpu.broadcasted_iota(jnp.int32, (BV, K), 0, layout=WG) < jnp.where(has_init, BV, 0)
     s0 = jnp.where(init_rows, plgpu.load(stg, layout=WG, optimized=False).astype(f32), 0.0)
+    if not with_o:
+      rows = plgpu.broadcasted_iota(jnp.int32, (BV, K), 0, layout=WG) + (v0 - real_rows)
+      s0 = jnp.where(rows == plgpu.broadcasted_iota(jnp.int32, (BV, K), 1, layout=WG), 1.0, s0)
     plgpu.commit_smem()  # every warp has read the staging before the state stash (same memory) is written
 
     def write_state(s, dst):
@@ -88,26 +97,31 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
       st_s[...] = s.astype(bf16)
       plgpu.commit_smem()
 
-      def first(acc_e, acc_o):
+      def first(acc_e, *acc_o):
         plgpu.wgmma(acc_e, neg_w_b.at[st], st_s.T)
-        plgpu.wgmma(acc_o, qg_b.at[st], st_s.T)
-        return acc_e[...], acc_o[...]
+        for acc in acc_o:
+          plgpu.wgmma(acc, qg_b.at[st], st_s.T)
+        return tuple(acc[...] for acc in (acc_e, *acc_o))
 
       phases.start("e_o")
-      e, o = pl.run_scoped(first, plgpu.ACC((C, BV), f32), plgpu.ACC((C, BV), f32))
-      e = e + plgpu.load(u_b.at[st, w], layout=WG, optimized=False).astype(f32)
+      e, *o = pl.run_scoped(first, *(plgpu.ACC((C, BV), f32) for _ in range(1 + with_o)))
+      u = plgpu.load(u_b.at[st, w], layout=WG, optimized=False).astype(f32)
+      if not with_o:  # identity rows: U = 0 (a select: the U block they loaded may hold anything)
+        u = jnp.where(plgpu.broadcasted_iota(jnp.int32, (C, BV), 0, layout=WG) < real_rows - v0, u, 0.0)
+      e = e + u
       chunk_decay = plgpu.load(decay_b.at[st], layout=COLV, optimized=False)
       e_s[...] = e.astype(bf16)
       plgpu.commit_smem()
 
-      def second(acc_s, acc_o):
+      def second(acc_s, *acc_o):
         plgpu.wgmma(acc_s, e_s.T, kg_b.at[st])
-        plgpu.wgmma(acc_o, aqk_b.at[st], e_s)
+        for acc in acc_o:
+          plgpu.wgmma(acc, aqk_b.at[st], e_s)
 
       phases.start("state_o")
       # The new state and o accumulate onto the decayed state and the first o in place: a separate [BV, K]
       # product beside s would take 64 more registers a thread at the kernel's peak.
-      s, o = util.accumulate(second, s * bcast_cols(chunk_decay, (BV, K)), o, from_inits=not interpret)
+      s, *o = util.accumulate(second, s * bcast_cols(chunk_decay, (BV, K)), *o, from_inits=not interpret)
 
       # Every read of stage st by this warpgroup (wgmma and register loads) is complete; warpgroup 0 refills
       # it once all have said so (an arrival only when a refill follows: every phase is awaited).
@@ -118,21 +132,22 @@ def _state_body(cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref
           plgpu.barrier_wait(consumed.at[st])
           issue(i + NBUF, st)
 
-      phases.start("o_store")
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      o_w = o_s.at[w]
-      o_w[...] = o.astype(o_s.dtype)
-      plgpu.commit_smem()
-      rows = jnp.minimum(seq_len - i * C, C)
-      start = 0
-      size = C
-      while size:
-        @pl.when((rows & size) != 0)
-        def _(start=start, size=size):
-          plgpu.copy_smem_to_gmem(o_w.at[pl.ds(start, size)],
-                                  o_ref.at[pl.ds(t0 + i * C + start, size), h, pl.ds(v0, BV)])
-        start = start + (rows & size)
-        size //= 2
+      if with_o:
+        phases.start("o_store")
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        o_w = o_s.at[w]
+        o_w[...] = o[0].astype(o_s.dtype)
+        plgpu.commit_smem()
+        rows = jnp.minimum(seq_len - i * C, C)
+        start = 0
+        size = C
+        while size:
+          @pl.when((rows & size) != 0)
+          def _(start=start, size=size):
+            plgpu.copy_smem_to_gmem(o_w.at[pl.ds(start, size)],
+                                    o_ref.at[pl.ds(t0 + i * C + start, size), h, pl.ds(v0, BV)])
+          start = start + (rows & size)
+          size //= 2
 
       phases.start("checkpoints")
 
@@ -171,7 +186,8 @@ def choose_v_blocks(num_seqs: int, num_heads: int, vdim: int) -> int:
 
 def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk: jax.Array,
                chunk_decay: jax.Array, pool_ref, seq_meta: tuple[jax.Array, ...], ck_meta: tuple[jax.Array, ...],
-               *, T: int, out_dtype, v_blocks: int, interpret: bool = False) -> jax.Array:
+               *, T: int, out_dtype, v_blocks: int, interpret: bool = False,
+               transition: bool = False) -> jax.Array | None:
   """Stage 2. Writes final states / checkpoints into ``pool_ref`` (a ``jax.new_ref`` of the pool) in place.
 
   Args:
@@ -185,33 +201,39 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
       sharing the V-independent chunk inputs), 1 or 2 (``KdaTuning.prefill_v_blocks``); divides ``V / BV``.
     interpret: the variant for interpret mode, whose accumulators cannot start from registers
       (``util.accumulate``).
+    transition: the segmented pass's first pass (``prefill_kernel._segmented_state_pass``): no ``o``, and the
+      pool's slots hold ``V + K`` rows, the first ``V`` carried with U as usual and the last ``K`` starting as
+      the identity with U = 0, which ends as the run's transition matrix.
 
   Returns:
-    ``o [T, H, V]`` in ``out_dtype``.
+    ``o [T, H, V]`` in ``out_dtype``; None with ``transition``.
   """
   _, H, _, K = qg.shape
   V = u.shape[-1]
+  rows = V + K if transition else V
   N = seq_meta[0].shape[0]
   wgs = v_blocks
-  if wgs not in (1, 2) or (V // BV) % wgs:
-    raise ValueError(f"v_blocks must be 1 or 2 and divide V / {BV} = {V // BV}, got {v_blocks}")
+  if wgs not in (1, 2) or (rows // BV) % wgs or (transition and V % BV):
+    raise ValueError(f"v_blocks must be 1 or 2 and divide {rows} / {BV} rows, got {v_blocks}")
   # Per warpgroup one union: the bf16 state and E stashes of a chunk, or the pool-dtype staging of a state.
   wg_buf = lambda: plgpu.RefUnion((tiled((BV, K)), tiled((C, BV))), plgpu.SMEM((BV, K), pool_ref.dtype))
   scratch = [
       tiled((NBUF, C, K)), tiled((NBUF, C, K)), tiled((NBUF, C, K)),
       plgpu.SMEM((NBUF, wgs, C, BV), bf16), tiled((NBUF, C, C)), plgpu.SMEM((NBUF, K), f32),
       plgpu.SMEM((wgs, C, BV), out_dtype), *(wg_buf() for _ in range(wgs)),
-      plgpu.Barrier(num_arrivals=5 + wgs, num_barriers=NBUF), plgpu.Barrier(num_arrivals=wgs, num_barriers=NBUF),
+      plgpu.Barrier(num_arrivals=(3 if transition else 5) + wgs, num_barriers=NBUF),
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=NBUF),
       plgpu.Barrier(num_arrivals=1, num_barriers=wgs),
   ]
   # No warpgroup barrier around every SMEM store (Pallas's default, two per store, three stores per chunk):
   # each stash is stored after a commit_smem or a TMA store wait (both end in a warpgroup barrier) that follows
   # every warp's last read of it, and read only after the commit_smem that follows the store.
-  return plgpu.kernel(
-      functools.partial(_state_body, K=K, wgs=wgs, interpret=interpret),
-      out_type=jax.ShapeDtypeStruct((T, H, V), out_dtype),
+  o = plgpu.kernel(
+      functools.partial(_state_body, K=K, wgs=wgs, interpret=interpret, real_rows=V if transition else None),
+      out_type=() if transition else jax.ShapeDtypeStruct((T, H, V), out_dtype),
       # Heads fastest: the first programs are the first sequence's heads, which begin with the chunks the prep
       # wrote last (see prefill_prep), still in the L2.
-      grid=(V // (BV * wgs), N, H), grid_names=("v", "n", "h"), num_threads=wgs, thread_name="wg",
+      grid=(rows // (BV * wgs), N, H), grid_names=("v", "n", "h"), num_threads=wgs, thread_name="wg",
       scratch_types=scratch, compiler_params=util.compiler_params(unsafe_no_auto_barriers=True),
   )(*seq_meta, *ck_meta, qg, kg, neg_w, u, aqk, chunk_decay, pool_ref)
+  return None if transition else o
