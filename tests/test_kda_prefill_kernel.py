@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels import kda
-from pallas_kernels.kda import prefill_kernel
-from pallas_kernels.testing import kda_gate_params, kda_inputs, kda_prefill_oracle
+from pallas_kernels.kda import prefill_combine, prefill_kernel
+from pallas_kernels.mosaic_interpret import interpret_mode
+from pallas_kernels.testing import kda_gate_params, kda_inputs, kda_prefill_oracle, rel_rmse
 
 from kda_support import PREFILL_TOL, check_prefill, prefill_to_jax, run_prefill
 
@@ -221,6 +222,36 @@ def test_v_blocks_rule():
                                             state_dtype=jnp.float32).prefill_v_blocks
   assert [rule(1, 96, 128), rule(8, 96, 128), rule(1, 67, 128)] == [2, 2, 2]
   assert [rule(1, 32, 128), rule(1, 11, 128), rule(1, 66, 128), rule(200, 4, 192), rule(0, 96, 128)] == [1] * 5
+
+
+@pytest.mark.parametrize("K,V,G,pool_dtype", [(64, 64, 3, jnp.float32), (64, 128, 1, jnp.bfloat16),
+                                               (128, 128, 4, jnp.bfloat16),
+                                               pytest.param(128, 256, 6, jnp.float32, marks=pytest.mark.gpu)])
+def test_segment_combine_matches_float64(kernel_impl, K, V, G, pool_dtype):
+  """``prefill_combine.combine``: every segment's first state against float64, within 5e-5 (rel RMSE per
+  segment), which its three-part bf16 products meet and a single bf16 or TF32 product (2^-9, 2^-11) does not;
+  the initial state read only from a slot that has one (the others start at zero, NaN-poisoned slots unread)."""
+  rng = np.random.default_rng(5)
+  N, H, P = 3, 2, 5
+  # M like a run's transition (decay times mixing, spectral radius below 1); B and the states of a state's size.
+  m = rng.normal(size=(N, G, H, K, K)) * (0.9 / np.sqrt(K))
+  b = rng.normal(size=(N, G, H, V, K)) * 0.3
+  bm = np.concatenate([b, m], axis=3).reshape(N * G, H, V + K, K).astype(np.float32)
+  pool = jnp.asarray(rng.normal(size=(P, H, V, K)), pool_dtype)
+  slots, has = np.array([2, -1, 4], np.int32), np.array([1, 1, 0], np.int32)
+  pool = pool.at[jnp.array([0, 1, 3, 4])].set(jnp.nan)  # slot 4 belongs to a sequence without an initial state
+  interpret = kernel_impl == "interpret"
+  with interpret_mode(interpret):
+    out = jax.jit(functools.partial(prefill_combine.combine, G=G, extra=2, interpret=interpret))(
+        jnp.asarray(bm), pool, jnp.asarray(slots), jnp.asarray(has))
+  assert out.shape == (N * G + 2, H, V, K) and out.dtype == jnp.float32
+  out = np.asarray(out, np.float64)
+  bm64, pool64 = bm.astype(np.float64).reshape(N, G, H, V + K, K), np.asarray(pool, np.float64)
+  for n in range(N):
+    s = pool64[slots[n]] if slots[n] >= 0 and has[n] else np.zeros((H, V, K))
+    for j in range(G):
+      assert rel_rmse(out[n * G + j], s) < 5e-5 if s.any() else not out[n * G + j].any(), (n, j)
+      s = s @ bm64[n, j, :, V:] + bm64[n, j, :, :V]
 
 
 @pytest.mark.parametrize("lower_bound,state_dtype,in_dtype", [

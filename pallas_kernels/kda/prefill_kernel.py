@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import util
-from pallas_kernels.kda import prefill_prep, prefill_state
+from pallas_kernels.kda import prefill_combine, prefill_prep, prefill_state
 from pallas_kernels.kda.config import CHUNK_SIZE as C, KdaConfig
 from pallas_kernels.mosaic_interpret import interpret_mode
 
@@ -105,23 +105,21 @@ def _segmented_state_pass(work, seq_meta, state_pool, ckpt, *, T: int, G: int, o
   """The state pass with every sequence cut into ``G`` runs of whole chunks ("segments") that run in parallel.
 
   In the kernel's V-first frame a chunk maps the state ``Sᵀ`` to ``Sᵀ (diag(γ) + Wnᵀ Kg) + Uᵀ Kg``, so a
-  segment maps its first state to ``Sᵀ M + B``. The first pass (one kernel, no ``o``) runs every segment over
-  ``V + K`` rows: from a zero state with the real U (ending as B) and from the identity with U = 0 (ending as
-  M, ``prefill_state.state_pass``'s ``transition``); a combine runs each sequence's segments in order from the
-  sequence's initial state (f32, full precision); the second pass runs the segments again from those states and
-  writes ``o`` and the states into a temporary f32 pool, whose final states and checkpoints then go into their
-  pool slots, each rounded once to the pool dtype. A sequence shorter than G chunks leaves some segments empty:
-  their M is the identity and their B zero. A length-0 sequence follows the kernel's rule (the zero state without
-  an initial state; its slot untouched with one); -1 slots are written nowhere. Args as
-  ``prefill_state.state_pass`` (``ckpt``: the checkpoint indptr, offsets and slots).
+  segment maps its first state to ``Sᵀ M + B``. The first pass (``prefill_state.transition_pass``) gives every
+  segment's B and M; the combine (``prefill_combine.combine``) runs each sequence's segments in order from the
+  sequence's initial state; the second pass runs the segments again from those states and writes ``o`` and the
+  states into a temporary f32 pool, whose final states and checkpoints then go into their pool slots, each
+  rounded once to the pool dtype. A sequence shorter than G chunks leaves some segments empty: their M is the
+  identity and their B zero. A length-0 sequence follows the kernel's rule (the zero state without an initial
+  state; its slot untouched with one); -1 slots are written nowhere. Args as ``prefill_state.state_pass``
+  (``ckpt``: the checkpoint indptr, offsets and slots).
   """
   qg, kg, neg_w, u, aqk, decay = work
   chunk_start, nch, t0, lens, slots, has_init = seq_meta
   N = nch.shape[0]
-  S, H, _, K = qg.shape
+  S = qg.shape[0]
   V = u.shape[-1]
   NS = N * G
-  f32 = jnp.float32
   # Segment (n, j): chunks [j L, min((j + 1) L, nch)) of sequence n, L = cdiv(nch, G).
   L = (nch + G - 1) // G
   first = jnp.arange(G, dtype=jnp.int32)[None, :] * L[:, None]
@@ -129,35 +127,20 @@ def _segmented_state_pass(work, seq_meta, state_pool, ckpt, *, T: int, G: int, o
                                             t0[:, None] + first * C,
                                             jnp.clip(lens[:, None] - first * C, 0, L[:, None] * C)))
   seg_meta += (jnp.arange(NS, dtype=jnp.int32),)
-
-  def state_pass(pool, has_init_flag, ck, transition):
-    ref = jax.new_ref(pool)
-    blocks = v_blocks if (pool.shape[2] // prefill_state.BV) % v_blocks == 0 else 1
-    o = prefill_state.state_pass(qg, kg, neg_w, u, aqk, decay, ref, (*seg_meta, jnp.full((NS,), has_init_flag,
-                                 jnp.int32)), ck, T=T, out_dtype=out_dtype, v_blocks=blocks, interpret=interpret,
-                                 transition=transition)
-    return o, ref[...]
-
-  # First pass: per segment B (rows [0, V), from zero with U) and M (rows [V, V + K), from the identity, U = 0).
-  no_ck = _checkpoint_table(jnp.zeros(NS + 1, jnp.int32), jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32),
-                            seg_meta[0], S)
-  _, bm = state_pass(jnp.zeros((NS, H, V + K, K), f32), 0, no_ck, True)
-  P = state_pool.shape[0]
-  s = jnp.where(((slots >= 0) & (has_init != 0))[:, None, None, None],
-                state_pool[jnp.clip(slots, 0, P - 1)].astype(f32), 0.0)
-  b, m = bm[:, :, :V].reshape(N, G, H, V, K), bm[:, :, V:].reshape(N, G, H, K, K)
-  starts = []
-  for j in range(G):
-    starts.append(s)
-    s = jnp.einsum("nhvk,nhkl->nhvl", s, m[:, j], precision=lax.Precision.HIGHEST) + b[:, j]
+  rows_blocks = (V + kg.shape[-1]) // prefill_state.BV  # the transition pass's V-blocks: B's and M's rows
+  bm = prefill_state.transition_pass(qg, kg, neg_w, u, decay, (*seg_meta, jnp.zeros((NS,), jnp.int32)),
+                                     v_blocks=v_blocks if rows_blocks % v_blocks == 0 else 1, interpret=interpret)
   indptr, offsets, ck_slots = ckpt
   M = offsets.shape[0]
+  temp = jax.new_ref(prefill_combine.combine(bm, state_pool, slots, has_init, G=G, extra=M, interpret=interpret))
   # Checkpoints land in the temporary pool after the segments' own slots.
   ck = _checkpoint_table(indptr, offsets, jnp.where(ck_slots >= 0, NS + jnp.arange(M, dtype=jnp.int32), -1),
                          chunk_start, S)
-  o, temp = state_pass(jnp.concatenate([jnp.stack(starts, axis=1).reshape(NS, H, V, K),
-                                        jnp.zeros((M, H, V, K), f32)]), 1, ck, False)
-  final = temp[:NS].reshape(N, G, H, V, K)[:, G - 1]
+  o = prefill_state.state_pass(qg, kg, neg_w, u, aqk, decay, temp, (*seg_meta, jnp.ones((NS,), jnp.int32)), ck,
+                               T=T, out_dtype=out_dtype, v_blocks=v_blocks, interpret=interpret)
+  temp = temp[...]
+  final = temp[:NS].reshape(N, G, *temp.shape[1:])[:, G - 1]
+  P = state_pool.shape[0]
   write_final = (slots >= 0) & ((nch > 0) | (has_init == 0))
   dst = jnp.concatenate([jnp.where(write_final, slots, P), jnp.where(ck_slots >= 0, ck_slots, P)])
   pool = state_pool.at[dst].set(jnp.concatenate([final, temp[NS:]]).astype(state_pool.dtype), mode="drop")

@@ -23,12 +23,16 @@ NBUF = 2  # prefetch depth (stages of the chunk-input ring)
 
 
 def _state_body(*refs, K: int, wgs: int, interpret: bool, real_rows: int | None):
-  (cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref,
-   qg_ref, kg_ref, neg_w_ref, u_ref, aqk_ref, decay_ref, pool_ref) = refs[:16]
+  (cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref), refs = refs[:9], refs[9:]
   with_o = real_rows is None  # else the transition pass: no o, rows past real_rows start as the identity
-  o_ref, refs = (refs[16], refs[17:]) if with_o else (None, refs[16:])
-  neg_w_b, kg_b, qg_b, u_b, aqk_b, decay_b, o_s = refs[:7]
-  wg_bufs, (bars, consumed, pool_bar) = refs[7:7 + wgs], refs[7 + wgs:]
+  if with_o:
+    ((qg_ref, kg_ref, neg_w_ref, u_ref, aqk_ref, decay_ref, pool_ref, o_ref),
+     (neg_w_b, kg_b, qg_b, u_b, aqk_b, decay_b, o_s), refs) = refs[:8], refs[8:15], refs[15:]
+  else:  # the pool is the output; no qg, aqk or o
+    (kg_ref, neg_w_ref, u_ref, decay_ref, pool_ref), (neg_w_b, kg_b, u_b, decay_b), refs = (
+        refs[:5], refs[5:9], refs[9:])
+    qg_ref = aqk_ref = qg_b = aqk_b = o_s = None
+  wg_bufs, (bars, consumed, pool_bar) = refs[:wgs], refs[wgs:]
   vg = lax.axis_index("v")
   h = lax.axis_index("h")
   n = lax.axis_index("n")
@@ -186,8 +190,7 @@ def choose_v_blocks(num_seqs: int, num_heads: int, vdim: int) -> int:
 
 def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk: jax.Array,
                chunk_decay: jax.Array, pool_ref, seq_meta: tuple[jax.Array, ...], ck_meta: tuple[jax.Array, ...],
-               *, T: int, out_dtype, v_blocks: int, interpret: bool = False,
-               transition: bool = False) -> jax.Array | None:
+               *, T: int, out_dtype, v_blocks: int, interpret: bool = False) -> jax.Array:
   """Stage 2. Writes final states / checkpoints into ``pool_ref`` (a ``jax.new_ref`` of the pool) in place.
 
   Args:
@@ -201,26 +204,58 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
       sharing the V-independent chunk inputs), 1 or 2 (``KdaTuning.prefill_v_blocks``); divides ``V / BV``.
     interpret: the variant for interpret mode, whose accumulators cannot start from registers
       (``util.accumulate``).
-    transition: the segmented pass's first pass (``prefill_kernel._segmented_state_pass``): no ``o``, and the
-      pool's slots hold ``V + K`` rows, the first ``V`` carried with U as usual and the last ``K`` starting as
-      the identity with U = 0, which ends as the run's transition matrix.
 
   Returns:
-    ``o [T, H, V]`` in ``out_dtype``; None with ``transition``.
+    ``o [T, H, V]`` in ``out_dtype``.
   """
   _, H, _, K = qg.shape
   V = u.shape[-1]
-  rows = V + K if transition else V
+  return _call((qg, kg, neg_w, u, aqk, chunk_decay, pool_ref), seq_meta, ck_meta, H=H, K=K, rows=V,
+               v_blocks=v_blocks, out_type=jax.ShapeDtypeStruct((T, H, V), out_dtype), pool_dtype=pool_ref.dtype,
+               interpret=interpret, real_rows=None)
+
+
+def transition_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, chunk_decay: jax.Array,
+                    seq_meta: tuple[jax.Array, ...], *, v_blocks: int, interpret: bool = False) -> jax.Array:
+  """The segmented pass's first pass (``prefill_kernel._segmented_state_pass``): the state pass over runs of
+  chunks from a zero state, without ``o``, over ``V + K`` rows: the first ``V`` carried with U as usual and the
+  last ``K`` starting as the identity with U = 0, which end as the run's transition matrix.
+
+  Args: as ``state_pass`` (``seq_meta``'s slots are the runs' own, ``0..N-1``; has-initial-state 0).
+
+  Returns:
+    ``[N, H, V + K, K]`` f32: every run's final rows (all written).
+  """
+  _, H, _, K = qg.shape
+  V = u.shape[-1]
+  N = seq_meta[0].shape[0]
+  if V % BV:
+    raise ValueError(f"transition_pass needs V a multiple of {BV}, got {V}")
+  # No checkpoints: every chunk slot's range is empty.
+  S = qg.shape[0]
+  no_ck = (jnp.zeros((S,), jnp.int32), jnp.zeros((S,), jnp.int32), jnp.full((1,), -1, jnp.int32))
+  return _call((kg, neg_w, u, chunk_decay), seq_meta, no_ck, H=H, K=K, rows=V + K, v_blocks=v_blocks,
+               out_type=jax.ShapeDtypeStruct((N, H, V + K, K), f32), pool_dtype=f32, interpret=interpret,
+               real_rows=V)
+
+
+def _call(inputs, seq_meta, ck_meta, *, H: int, K: int, rows: int, v_blocks: int, out_type, pool_dtype,
+          interpret: bool, real_rows: int | None):
+  """One ``plgpu.kernel`` of ``_state_body`` over ``inputs`` (``_state_body``'s order for the mode: the pool ref
+  last, updated in place, with ``o`` the output; or, for the transition pass, no pool and the output its pool)."""
   N = seq_meta[0].shape[0]
   wgs = v_blocks
-  if wgs not in (1, 2) or (rows // BV) % wgs or (transition and V % BV):
+  if wgs not in (1, 2) or (rows // BV) % wgs:
     raise ValueError(f"v_blocks must be 1 or 2 and divide {rows} / {BV} rows, got {v_blocks}")
+  transition = real_rows is not None
   # Per warpgroup one union: the bf16 state and E stashes of a chunk, or the pool-dtype staging of a state.
-  wg_buf = lambda: plgpu.RefUnion((tiled((BV, K)), tiled((C, BV))), plgpu.SMEM((BV, K), pool_ref.dtype))
+  wg_buf = lambda: plgpu.RefUnion((tiled((BV, K)), tiled((C, BV))), plgpu.SMEM((BV, K), pool_dtype))
+  ring = [tiled((NBUF, C, K)), tiled((NBUF, C, K)), tiled((NBUF, C, K)), plgpu.SMEM((NBUF, wgs, C, BV), bf16),
+          tiled((NBUF, C, C)), plgpu.SMEM((NBUF, K), f32), plgpu.SMEM((wgs, C, BV), out_type.dtype)]
+  if transition:
+    ring = [ring[0], ring[1], ring[3], ring[5]]  # neg_w, kg, U, decay
   scratch = [
-      tiled((NBUF, C, K)), tiled((NBUF, C, K)), tiled((NBUF, C, K)),
-      plgpu.SMEM((NBUF, wgs, C, BV), bf16), tiled((NBUF, C, C)), plgpu.SMEM((NBUF, K), f32),
-      plgpu.SMEM((wgs, C, BV), out_dtype), *(wg_buf() for _ in range(wgs)),
+      *ring, *(wg_buf() for _ in range(wgs)),
       plgpu.Barrier(num_arrivals=(3 if transition else 5) + wgs, num_barriers=NBUF),
       plgpu.Barrier(num_arrivals=wgs, num_barriers=NBUF),
       plgpu.Barrier(num_arrivals=1, num_barriers=wgs),
@@ -228,12 +263,11 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
   # No warpgroup barrier around every SMEM store (Pallas's default, two per store, three stores per chunk):
   # each stash is stored after a commit_smem or a TMA store wait (both end in a warpgroup barrier) that follows
   # every warp's last read of it, and read only after the commit_smem that follows the store.
-  o = plgpu.kernel(
-      functools.partial(_state_body, K=K, wgs=wgs, interpret=interpret, real_rows=V if transition else None),
-      out_type=() if transition else jax.ShapeDtypeStruct((T, H, V), out_dtype),
+  return plgpu.kernel(
+      functools.partial(_state_body, K=K, wgs=wgs, interpret=interpret, real_rows=real_rows),
+      out_type=out_type,
       # Heads fastest: the first programs are the first sequence's heads, which begin with the chunks the prep
       # wrote last (see prefill_prep), still in the L2.
       grid=(rows // (BV * wgs), N, H), grid_names=("v", "n", "h"), num_threads=wgs, thread_name="wg",
       scratch_types=scratch, compiler_params=util.compiler_params(unsafe_no_auto_barriers=True),
-  )(*seq_meta, *ck_meta, qg, kg, neg_w, u, aqk, chunk_decay, pool_ref)
-  return None if transition else o
+  )(*seq_meta, *ck_meta, *inputs)
