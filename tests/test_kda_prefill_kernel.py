@@ -120,8 +120,10 @@ def _check_against_oracle_and_xla(kernel_impl, seed, sizes, tuning, lower_bound,
 
 # (sizes, segments, value blocks): a sequence shorter than its segments (lens 30 and 1 at G = 3), empty ones,
 # checkpoints inside and at the edges of segments (every chunk in EVERY_CHUNK), two value blocks with K = 64
-# (the transition pass then takes one).
+# (the transition pass then takes one), the transition pass with two value blocks (small-wide-12: 144 one-block
+# programs) and the second pass with one.
 SEGMENT_CASES = [pytest.param(SMALL, 3, None, id="small-3"), pytest.param(SMALL_PAIR, 2, 2, id="small-pair-2"),
+                 pytest.param(SMALL_WIDE, 12, None, id="small-wide-12"),
                  pytest.param(dict(lens=(70, 0, 200, 1), H=1, K=64, V=64), 3, None, id="ragged-3"),
                  pytest.param(LARGE, 3, None, id="large-3", marks=pytest.mark.gpu),
                  pytest.param(LARGE, 6, 2, id="large-6-pair", marks=pytest.mark.gpu),

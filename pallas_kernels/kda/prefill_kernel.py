@@ -117,7 +117,7 @@ def _segmented_state_pass(work, seq_meta, state_pool, ckpt, *, T: int, G: int, o
   qg, kg, neg_w, u, aqk, decay = work
   chunk_start, nch, t0, lens, slots, has_init = seq_meta
   N = nch.shape[0]
-  S = qg.shape[0]
+  S, H, _, K = qg.shape
   V = u.shape[-1]
   NS = N * G
   # Segment (n, j): chunks [j L, min((j + 1) L, nch)) of sequence n, L = cdiv(nch, G).
@@ -127,9 +127,10 @@ def _segmented_state_pass(work, seq_meta, state_pool, ckpt, *, T: int, G: int, o
                                             t0[:, None] + first * C,
                                             jnp.clip(lens[:, None] - first * C, 0, L[:, None] * C)))
   seg_meta += (jnp.arange(NS, dtype=jnp.int32),)
-  rows_blocks = (V + kg.shape[-1]) // prefill_state.BV  # the transition pass's V-blocks: B's and M's rows
+  # The transition pass's value blocks follow the one-pass rule over its own V + K rows (``v_blocks``, the user's
+  # or that rule over V, sizes the second pass).
   bm = prefill_state.transition_pass(qg, kg, neg_w, u, decay, (*seg_meta, jnp.zeros((NS,), jnp.int32)),
-                                     v_blocks=v_blocks if rows_blocks % v_blocks == 0 else 1, interpret=interpret)
+                                     v_blocks=prefill_state.choose_v_blocks(NS, H, V + K), interpret=interpret)
   indptr, offsets, ck_slots = ckpt
   M = offsets.shape[0]
   temp = jax.new_ref(prefill_combine.combine(bm, state_pool, slots, has_init, G=G, extra=M, interpret=interpret))
