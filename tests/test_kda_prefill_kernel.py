@@ -154,35 +154,39 @@ def test_deterministic_and_shorter_than_a_chunk(kernel_impl):
   check_prefill(o1, p1, ref_o, ref_pool, pool_j, arrays, PREFILL_TOL[jnp.dtype(jnp.float32)], 25, 1, 64)
 
 
-@pytest.mark.parametrize("impl", ["kernel", "xla"])
-def test_a_nan_token_stays_in_its_sequence(kernel_impl, impl):
+@pytest.mark.parametrize("impl,segments", [("kernel", None), ("kernel", 2), ("xla", None)])
+def test_a_nan_token_stays_in_its_sequence(kernel_impl, impl, segments):
   """NaN in every input of one sequence's first token reaches no other sequence. The previous sequence ends in a
   partial chunk, whose 64-row raw tiles hold that token too, and a 0 coefficient in a matmul does not drop a NaN
   (0 * NaN is NaN): the kernel must zero those rows, not only weight them by 0. The previous sequence's o and the
-  whole pool are bitwise those of the same call with the token finite; the NaN sequence's own o is NaN."""
+  whole pool are bitwise those of the same call with the token finite; the NaN sequence's own o is NaN (with
+  segments too: the NaN crosses from its first segment into the second through the combine)."""
   impl = kernel_impl if impl == "kernel" else impl
+  config_extra = dict(tuning=kda.KdaTuning(prefill_segments=segments))
   x, pool, arrays, config = _problem(6, lens=(40, 30), H=1, K=64, V=64, saturated=False, state_dtype=jnp.float32,
                                      lower_bound=-5.0)
   assert arrays["state_indices"][1] == -1 and not len(arrays["checkpoint_slots"])  # only sequence 0 writes
   inputs, pool_j, arrays_j = prefill_to_jax(x, pool, arrays, jnp.float32)
-  o_ok, pool_ok = run_prefill(inputs, pool_j, arrays_j, impl, **config)
+  o_ok, pool_ok = run_prefill(inputs, pool_j, arrays_j, impl, **config, **config_extra)
   bad = {n: a.at[40].set(jnp.nan) if n in ("q", "k", "v", "g_raw", "beta_raw") else a for n, a in inputs.items()}
-  o_bad, pool_bad = run_prefill(bad, pool_j, arrays_j, impl, **config)
+  o_bad, pool_bad = run_prefill(bad, pool_j, arrays_j, impl, **config, **config_extra)
   np.testing.assert_array_equal(np.asarray(o_bad[:40], np.float32), np.asarray(o_ok[:40], np.float32))
   np.testing.assert_array_equal(np.asarray(pool_bad), np.asarray(pool_ok))
   assert np.isnan(np.asarray(o_bad[40:], np.float32)).all()
 
 
+@pytest.mark.parametrize("segments", [None, 3])
 @pytest.mark.parametrize("lens", [(0, 70, 0), (0, 0, 0)], ids=["some-tokens", "no-tokens"])
-def test_empty_sequences_write_zero_states(kernel_impl, lens):
+def test_empty_sequences_write_zero_states(kernel_impl, lens, segments):
   """A length-0 sequence without an initial state writes the state of zero tokens from a zero start (zeros)
-  into its slot, one with an initial state leaves its slot bitwise unchanged; as impl="xla"."""
+  into its slot, one with an initial state leaves its slot bitwise unchanged; as impl="xla"; with segments too."""
   x, pool, arrays, config = _problem(4, lens=lens, H=1, K=64, V=64, saturated=False, state_dtype=jnp.float32,
                                      lower_bound=None)
   arrays.update(state_indices=np.asarray([1, 2, 3], np.int32), has_initial_state=np.asarray([False, True, False]))
   pool[1:4] = np.random.default_rng(4).uniform(-4.0, 4.0, size=pool[1:4].shape)
   inputs, pool_j, arrays_j = prefill_to_jax(x, pool, arrays, jnp.float32)
-  o, new_pool = run_prefill(inputs, pool_j, arrays_j, kernel_impl, **config)
+  o, new_pool = run_prefill(inputs, pool_j, arrays_j, kernel_impl, tuning=kda.KdaTuning(prefill_segments=segments),
+                            **config)
   np.testing.assert_array_equal(np.asarray(new_pool[np.asarray([1, 3])]), 0.0)
   ref_o, ref_pool = _oracle(inputs, pool_j, arrays, lower_bound=None)
   check_prefill(o, new_pool, ref_o, ref_pool, pool_j, arrays, PREFILL_TOL[jnp.dtype(jnp.float32)], sum(lens), 1, 64)
@@ -244,9 +248,9 @@ def test_segment_combine_matches_float64(kernel_impl, K, V, G, pool_dtype):
   pool = pool.at[jnp.array([0, 1, 3, 4])].set(jnp.nan)  # slot 4 belongs to a sequence without an initial state
   interpret = kernel_impl == "interpret"
   with interpret_mode(interpret):
-    out = jax.jit(functools.partial(prefill_combine.combine, G=G, extra=2, interpret=interpret))(
+    out = jax.jit(functools.partial(prefill_combine.combine, G=G, interpret=interpret))(
         jnp.asarray(bm), pool, jnp.asarray(slots), jnp.asarray(has))
-  assert out.shape == (N * G + 2, H, V, K) and out.dtype == jnp.float32
+  assert out.shape == (N * G, H, V, K) and out.dtype == jnp.float32
   out = np.asarray(out, np.float64)
   bm64, pool64 = bm.astype(np.float64).reshape(N, G, H, V + K, K), np.asarray(pool, np.float64)
   for n in range(N):

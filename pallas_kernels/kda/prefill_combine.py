@@ -90,7 +90,7 @@ def _combine_body(slot_ref, init_ref, pool_ref, bm_ref, out_ref, stg, m_f, b_f, 
   util.finish_stores()
 
 
-def combine(bm: jax.Array, state_pool: jax.Array, slots: jax.Array, has_init: jax.Array, *, G: int, extra: int,
+def combine(bm: jax.Array, state_pool: jax.Array, slots: jax.Array, has_init: jax.Array, *, G: int,
             interpret: bool = False) -> jax.Array:
   """Every segment's first state.
 
@@ -99,13 +99,12 @@ def combine(bm: jax.Array, state_pool: jax.Array, slots: jax.Array, has_init: ja
       ``n * G + j``: rows ``[0, V)`` B, rows ``[V, V + K)`` M.
     state_pool: ``[P, H, V, K]`` f32 or bf16, read at the sequences' initial-state slots.
     slots: ``[N]`` int32 pool slots (-1: no initial state). has_init: ``[N]`` int32 (0/1).
-    G: segments per sequence. extra: rows appended to the result that the combine leaves unwritten (room for
-      the second pass's checkpoints).
+    G: segments per sequence.
     interpret: the variant for interpret mode (``util.accumulate``).
 
   Returns:
-    ``[N * G + extra, H, V, K]`` f32: at ``n * G + j`` the state sequence ``n`` enters segment ``j`` with (the
-    initial state for ``j = 0``: the slot's, rounded to f32, or zero), the last ``extra`` rows unwritten.
+    ``[N * G, H, V, K]`` f32: at ``n * G + j`` the state sequence ``n`` enters segment ``j`` with (the initial
+    state for ``j = 0``: the slot's, exactly in f32, or zero).
   """
   NS, H, R, K = bm.shape
   V = R - K
@@ -122,7 +121,7 @@ def combine(bm: jax.Array, state_pool: jax.Array, slots: jax.Array, has_init: ja
   # store wait (both end in one) after every warp's last read of that memory, and is read after the next one.
   return plgpu.kernel(
       functools.partial(_combine_body, G=G, interpret=interpret),
-      out_type=jax.ShapeDtypeStruct((NS + extra, H, V, K), f32),
+      out_type=jax.ShapeDtypeStruct((NS, H, V, K), f32),
       grid=(V // BV, N, H), grid_names=("v", "n", "h"), scratch_types=scratch,
       compiler_params=util.compiler_params(unsafe_no_auto_barriers=True),
   )(slots, has_init, state_pool, bm)

@@ -22,12 +22,15 @@ BV = 64  # V-block of one warpgroup
 NBUF = 2  # prefetch depth (stages of the chunk-input ring)
 
 
-def _state_body(*refs, K: int, wgs: int, interpret: bool, real_rows: int | None):
+def _state_body(*refs, K: int, wgs: int, interpret: bool, real_rows: int | None, starts: bool):
   (cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref), refs = refs[:9], refs[9:]
   with_o = real_rows is None  # else the transition pass: no o, rows past real_rows start as the identity
+  start_ref = None
   if with_o:
-    ((qg_ref, kg_ref, neg_w_ref, u_ref, aqk_ref, decay_ref, pool_ref, o_ref),
-     (neg_w_b, kg_b, qg_b, u_b, aqk_b, decay_b, o_s), refs) = refs[:8], refs[8:15], refs[15:]
+    (qg_ref, kg_ref, neg_w_ref, u_ref, aqk_ref, decay_ref, pool_ref), refs = refs[:7], refs[7:]
+    if starts:
+      start_ref, refs = refs[0], refs[1:]
+    o_ref, (neg_w_b, kg_b, qg_b, u_b, aqk_b, decay_b, o_s), refs = refs[0], refs[1:8], refs[8:]
   else:  # the pool is the output; no qg, aqk or o
     (kg_ref, neg_w_ref, u_ref, decay_ref, pool_ref), (neg_w_b, kg_b, u_b, decay_b), refs = (
         refs[:5], refs[5:9], refs[9:])
@@ -41,7 +44,8 @@ def _state_body(*refs, K: int, wgs: int, interpret: bool, real_rows: int | None)
   t0 = tok_ref[n]
   seq_len = len_ref[n]
   slot = slot_ref[n]
-  has_init = (slot >= 0) & (init_ref[n] != 0)
+  # With starts, a sequence's initial state is its own row there, whatever its slot (where it only writes).
+  has_init = (init_ref[n] != 0) if starts else (slot >= 0) & (init_ref[n] != 0)
 
   def issue(i, st):
     """Warpgroup 0 loads chunk i's inputs into stage st: the V-independent ones once, U per warpgroup."""
@@ -63,7 +67,8 @@ def _state_body(*refs, K: int, wgs: int, interpret: bool, real_rows: int | None)
     """One V-block's recurrence. Its state stash, E stash and pool staging share one SMEM union: the staging
     is used before the first chunk, after a checkpoint chunk's matmuls and after the last chunk."""
     v0 = pl.multiple_of((vg * wgs + w) * BV, BV)
-    (st_s, e_s), stg = wg_bufs[w]
+    (st_s, e_s), stg, *start_stg = wg_bufs[w]
+    init_stg = start_stg[0] if starts else stg
     phases = util.Phases()  # named regions for the on-device profiler (util.compiler_params)
     phases.start("init")
     if w == 0:
@@ -72,12 +77,13 @@ def _state_body(*refs, K: int, wgs: int, interpret: bool, real_rows: int | None)
 
     @pl.when(has_init)
     def _():
-      plgpu.copy_gmem_to_smem(pool_ref.at[slot, h, pl.ds(v0, BV)], stg, pool_bar.at[w])
+      src = start_ref.at[n, h, pl.ds(v0, BV)] if starts else pool_ref.at[slot, h, pl.ds(v0, BV)]
+      plgpu.copy_gmem_to_smem(src, init_stg, pool_bar.at[w])
       plgpu.barrier_wait(pool_bar.at[w])
 
     # Uninitialised SMEM may hold NaN: select, never multiply by 0.
     init_rows = plgpu.broadcasted_iota(jnp.int32, (BV, K), 0, layout=WG) < jnp.where(has_init, BV, 0)
-    s0 = jnp.where(init_rows, plgpu.load(stg, layout=WG, optimized=False).astype(f32), 0.0)
+    s0 = jnp.where(init_rows, plgpu.load(init_stg, layout=WG, optimized=False).astype(f32), 0.0)
     if not with_o:
       rows = plgpu.broadcasted_iota(jnp.int32, (BV, K), 0, layout=WG) + (v0 - real_rows)
       s0 = jnp.where(rows == plgpu.broadcasted_iota(jnp.int32, (BV, K), 1, layout=WG), 1.0, s0)
@@ -190,7 +196,8 @@ def choose_v_blocks(num_seqs: int, num_heads: int, vdim: int) -> int:
 
 def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk: jax.Array,
                chunk_decay: jax.Array, pool_ref, seq_meta: tuple[jax.Array, ...], ck_meta: tuple[jax.Array, ...],
-               *, T: int, out_dtype, v_blocks: int, interpret: bool = False) -> jax.Array:
+               *, T: int, out_dtype, v_blocks: int, interpret: bool = False,
+               starts: jax.Array | None = None) -> jax.Array:
   """Stage 2. Writes final states / checkpoints into ``pool_ref`` (a ``jax.new_ref`` of the pool) in place.
 
   Args:
@@ -204,15 +211,19 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
       sharing the V-independent chunk inputs), 1 or 2 (``KdaTuning.prefill_v_blocks``); divides ``V / BV``.
     interpret: the variant for interpret mode, whose accumulators cannot start from registers
       (``util.accumulate``).
+    starts: ``[N, H, V, K]`` f32 or None: the sequences' initial states at their own index (read where
+      has-initial-state is 1, whatever the slot), instead of from their pool slots (the segmented pass's second
+      pass, whose runs write into slots they do not start from).
 
   Returns:
     ``o [T, H, V]`` in ``out_dtype``.
   """
   _, H, _, K = qg.shape
   V = u.shape[-1]
-  return _call((qg, kg, neg_w, u, aqk, chunk_decay, pool_ref), seq_meta, ck_meta, H=H, K=K, rows=V,
+  inputs = (qg, kg, neg_w, u, aqk, chunk_decay, pool_ref) + (() if starts is None else (starts,))
+  return _call(inputs, seq_meta, ck_meta, H=H, K=K, rows=V,
                v_blocks=v_blocks, out_type=jax.ShapeDtypeStruct((T, H, V), out_dtype), pool_dtype=pool_ref.dtype,
-               interpret=interpret, real_rows=None)
+               interpret=interpret, real_rows=None, starts=starts is not None)
 
 
 def transition_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, chunk_decay: jax.Array,
@@ -236,20 +247,23 @@ def transition_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array
   no_ck = (jnp.zeros((S,), jnp.int32), jnp.zeros((S,), jnp.int32), jnp.full((1,), -1, jnp.int32))
   return _call((kg, neg_w, u, chunk_decay), seq_meta, no_ck, H=H, K=K, rows=V + K, v_blocks=v_blocks,
                out_type=jax.ShapeDtypeStruct((N, H, V + K, K), f32), pool_dtype=f32, interpret=interpret,
-               real_rows=V)
+               real_rows=V, starts=False)
 
 
 def _call(inputs, seq_meta, ck_meta, *, H: int, K: int, rows: int, v_blocks: int, out_type, pool_dtype,
-          interpret: bool, real_rows: int | None):
-  """One ``plgpu.kernel`` of ``_state_body`` over ``inputs`` (``_state_body``'s order for the mode: the pool ref
-  last, updated in place, with ``o`` the output; or, for the transition pass, no pool and the output its pool)."""
+          interpret: bool, real_rows: int | None, starts: bool):
+  """One ``plgpu.kernel`` of ``_state_body`` over ``inputs`` (``_state_body``'s order for the mode: the pool ref,
+  updated in place, then the starts if any, with ``o`` the output; or, for the transition pass, no pool and the
+  output its pool)."""
   N = seq_meta[0].shape[0]
   wgs = v_blocks
   if wgs not in (1, 2) or (rows // BV) % wgs:
     raise ValueError(f"v_blocks must be 1 or 2 and divide {rows} / {BV} rows, got {v_blocks}")
   transition = real_rows is not None
-  # Per warpgroup one union: the bf16 state and E stashes of a chunk, or the pool-dtype staging of a state.
-  wg_buf = lambda: plgpu.RefUnion((tiled((BV, K)), tiled((C, BV))), plgpu.SMEM((BV, K), pool_dtype))
+  # Per warpgroup one union: the bf16 state and E stashes of a chunk, or the pool-dtype staging of a state (or
+  # the f32 staging of a start).
+  wg_buf = lambda: plgpu.RefUnion((tiled((BV, K)), tiled((C, BV))), plgpu.SMEM((BV, K), pool_dtype),
+                                  *([plgpu.SMEM((BV, K), f32)] if starts else []))
   ring = [tiled((NBUF, C, K)), tiled((NBUF, C, K)), tiled((NBUF, C, K)), plgpu.SMEM((NBUF, wgs, C, BV), bf16),
           tiled((NBUF, C, C)), plgpu.SMEM((NBUF, K), f32), plgpu.SMEM((wgs, C, BV), out_type.dtype)]
   if transition:
@@ -264,7 +278,7 @@ def _call(inputs, seq_meta, ck_meta, *, H: int, K: int, rows: int, v_blocks: int
   # each stash is stored after a commit_smem or a TMA store wait (both end in a warpgroup barrier) that follows
   # every warp's last read of it, and read only after the commit_smem that follows the store.
   return plgpu.kernel(
-      functools.partial(_state_body, K=K, wgs=wgs, interpret=interpret, real_rows=real_rows),
+      functools.partial(_state_body, K=K, wgs=wgs, interpret=interpret, real_rows=real_rows, starts=starts),
       out_type=out_type,
       # Heads fastest: the first programs are the first sequence's heads, which begin with the chunks the prep
       # wrote last (see prefill_prep), still in the L2.
