@@ -141,10 +141,13 @@ def test_segmented_state_pass_matches_oracle_and_xla(kernel_impl, sizes, segment
                                 lower_bound, state_dtype, saturated)
 
 
-def test_deterministic_and_shorter_than_a_chunk(kernel_impl):
-  """Two runs are bitwise equal; T < 64 (one partial chunk per sequence, an empty sequence in between)."""
+@pytest.mark.parametrize("segments", [None, 2])
+def test_deterministic_and_shorter_than_a_chunk(kernel_impl, segments):
+  """Two runs are bitwise equal; T < 64 (one partial chunk per sequence, an empty sequence in between; with
+  segments, every sequence shorter than its segments)."""
   x, pool, arrays, config = _problem(1, lens=(5, 0, 20), H=1, K=64, V=64, saturated=False,
                                      state_dtype=jnp.float32, lower_bound=-5.0)
+  config["tuning"] = kda.KdaTuning(prefill_segments=segments)
   inputs, pool_j, arrays_j = prefill_to_jax(x, pool, arrays, jnp.float32)
   o1, p1 = run_prefill(inputs, pool_j, arrays_j, kernel_impl, **config)
   o2, p2 = run_prefill(inputs, pool_j, arrays_j, kernel_impl, **config)
