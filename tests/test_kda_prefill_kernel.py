@@ -233,6 +233,19 @@ def test_v_blocks_rule():
   assert [rule(1, 32, 128), rule(1, 11, 128), rule(1, 66, 128), rule(200, 4, 192), rule(0, 96, 128)] == [1] * 5
 
 
+def test_segments_rule():
+  """``default_tuning``'s ``prefill_segments``: ``132 // (V / 64 · H · N)`` runs per sequence where that is at least
+  3 and the runs keep at least 8 chunks on average, else 1; decode (no ``num_tokens``) takes 1."""
+  rule = lambda N, H, T, V=128: kda.default_tuning(num_seqs=N, num_heads=H, key_dim=128, value_dim=V,
+                                                   state_dtype=jnp.float32, num_tokens=T).prefill_segments
+  assert [rule(1, 11, 8192), rule(1, 16, 8192), rule(1, 11, 1536), rule(2, 4, 32768, 64)] == [6, 4, 3, 16]
+  assert [rule(1, 32, 32768), rule(1, 96, 8192), rule(8, 96, 8192), rule(1, 11, 1535), rule(0, 11, 8192)] == [1] * 5
+  assert kda.default_tuning(num_seqs=1, num_heads=11, key_dim=128, value_dim=128,
+                            state_dtype=jnp.float32).prefill_segments == 1
+  with pytest.raises(ValueError, match="num_tokens"):
+    kda.default_tuning(num_seqs=1, num_heads=11, key_dim=128, value_dim=128, state_dtype=jnp.float32, num_tokens=-1)
+
+
 @pytest.mark.parametrize("K,V,G,pool_dtype", [(64, 64, 3, jnp.float32), (64, 128, 1, jnp.bfloat16),
                                                (128, 128, 4, jnp.bfloat16),
                                                pytest.param(128, 256, 6, jnp.float32, marks=pytest.mark.gpu)])

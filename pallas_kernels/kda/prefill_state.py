@@ -194,6 +194,24 @@ def choose_v_blocks(num_seqs: int, num_heads: int, vdim: int) -> int:
   return 2 if blocks % 2 == 0 and blocks * num_heads * num_seqs > util.NUM_SMS else 1
 
 
+# The segments heuristic's smallest number of runs (two runs do twice the one pass's state work on twice its
+# programs: no gain) and the fewest chunks a run keeps on average (shorter runs leave the first and second passes
+# to their fixed costs).
+MIN_SEGMENTS = 3
+MIN_CHUNKS_PER_SEGMENT = 8
+
+
+def choose_segments(num_seqs: int, num_heads: int, vdim: int, num_tokens: int) -> int:
+  """The default ``segments``: as many runs per sequence as fill the SMs once with one-block programs
+  (``NUM_SMS // (V / BV · H · N)``), where that is at least ``MIN_SEGMENTS`` and the runs keep at least
+  ``MIN_CHUNKS_PER_SEGMENT`` chunks on average (``T / (64 N)`` chunks a sequence); otherwise 1 (one pass)."""
+  programs = vdim // BV * num_heads * num_seqs
+  if programs == 0:
+    return 1
+  segments = min(util.NUM_SMS // programs, num_tokens // (C * num_seqs * MIN_CHUNKS_PER_SEGMENT))
+  return segments if segments >= MIN_SEGMENTS else 1
+
+
 def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk: jax.Array,
                chunk_decay: jax.Array, pool_ref, seq_meta: tuple[jax.Array, ...], ck_meta: tuple[jax.Array, ...],
                *, T: int, out_dtype, v_blocks: int, interpret: bool = False,
