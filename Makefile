@@ -2,9 +2,11 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+AOT := .aot
+AOT_STAMP := $(AOT)/.installed
 PYTEST_ARGS ?= -n 2 --dist worksteal --durations=25
 
-.PHONY: demo test test-gpu gpu-check notebooks clean venv
+.PHONY: demo test test-gpu gpu-check notebooks clean venv aot
 
 venv: $(STAMP)
 
@@ -14,10 +16,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	@touch $(STAMP)
 
+# The CUDA PJRT plugin of the venv's jaxlib, installed beside the venv, not in it: tools/sm90_compile.py compiles for
+# the H200 with it on a machine without a GPU, and no other process of the suite sees a CUDA plugin.
+aot: $(AOT_STAMP)
+
+$(AOT_STAMP): $(STAMP)
+	v=$$($(PY) -c 'import jaxlib; print(jaxlib.__version__)') && $(PY) -m pip install --quiet --no-deps --upgrade \
+	  --target $(AOT) "jax-cuda13-plugin==$$v" "jax-cuda13-pjrt==$$v"
+	@touch $(AOT_STAMP)
+
 demo: $(STAMP)
 	$(PY) -m k3jax.demo
 
-test: $(STAMP)
+test: $(STAMP) $(AOT_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # On a Hopper machine: the same suite compiled (gpu-marked tests run, interpret tests too).
@@ -34,4 +45,4 @@ notebooks: $(STAMP)
 	$(PY) notebooks/run.py --write
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(AOT) .pytest_cache

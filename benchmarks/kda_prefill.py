@@ -310,7 +310,7 @@ def profile(lens, H: int, iters: int = 10) -> dict:
   cu = jnp.asarray(x["cu"])
   prep_one, = prep_executables(1)  # a second jitted prep, traced with padded SMEM (below)
   work = prep(*pargs)
-  seq_meta = (chunk_start, nch, cu[:-1], seq_lens, jnp.arange(N, dtype=jnp.int32), jnp.ones(N, jnp.int32))
+  seq_meta = jnp.stack([chunk_start, nch, cu[:-1], seq_lens, jnp.arange(N, dtype=jnp.int32), jnp.ones(N, jnp.int32)])
 
   default_v_blocks = kda.default_tuning(num_seqs=N, num_heads=H, key_dim=K, value_dim=V,
                                         state_dtype=jnp.float32).prefill_v_blocks
@@ -353,7 +353,7 @@ def kernel_overheads(tables: dict) -> dict:
   ``{name}_kernel_overhead`` per variant other than the base."""
   parts = {}
   for name, table in tables.items():
-    prep = next(ms for kernel, ms in table if "mosaic" in kernel)  # stage 1 launches first
+    prep = next(ms for kernel, ms in table if kernel.startswith("kda_prefill_prep"))
     parts[name] = (prep, sum(ms for _, ms in table) - prep)
   base = next(iter(tables))
   total = min(prep for prep, _ in parts.values()) + parts[base][1]
@@ -366,8 +366,8 @@ def kernel_overheads(tables: dict) -> dict:
 
 
 def call_kernels(run, calls: int = 5) -> list[tuple[str, float]]:
-  """Every GPU kernel of one call of ``run`` (CUPTI), in launch order, as ``(name, mean ms over calls)``. Both
-  Pallas kernels are named ``anonymous_mosaic_gpu_kernel``; the first is the prep, the second the state pass."""
+  """Every GPU kernel of one call of ``run`` (CUPTI), in launch order, as ``(name, mean ms over calls)``. The
+  Pallas kernels are ``kda_prefill_prep_mosaic_gpu_kernel`` and ``kda_prefill_state_mosaic_gpu_kernel``."""
   from benchmarks._harness import cupti_kernels
 
   run(2)
@@ -420,7 +420,7 @@ def input_placement(lens, H: int, copies: int = 6, lower_bound: float | None = L
   def prep_kernel_ms(fns) -> list[float]:
     """The prep kernel's time (CUPTI) in each of ``fns``, called on the original arguments."""
     return [round(next(ms for name, ms in call_kernels(lambda n, f=f: jax.block_until_ready(
-        [f(*pargs) for _ in range(n)])) if "mosaic" in name), 4) for f in fns]
+        [f(*pargs) for _ in range(n)])) if name.startswith("kda_prefill_prep")), 4) for f in fns]
 
   # The same prep with its workspaces as temporaries of an executable (reduced to sums), as inside a whole
   # call, one executable per copy (a function object of its own each), where whole-call runners differ; then

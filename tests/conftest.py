@@ -85,9 +85,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _fresh_interpreter():
-  """A failed interpreted kernel must not fail every later one: the interpreter's state is process-wide."""
+  """A failed interpreted kernel must not fail every later one: the interpreter's state is process-wide. A test
+  whose interpreted kernels raced (``mosaic_interpret.races_found``) fails here."""
   yield
+  raced = mosaic_interpret.races_found()
   mosaic_interpret.reset_state()
+  assert not raced, "interpret mode detected a data race (the RACE DETECTED lines in the captured output)"
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ longer hunt). CPU runs are derandomized, so CI draws the same examples every tim
 tests of several kernels share.
 """
 
+import functools
 import os
 
 import jax
@@ -23,17 +24,56 @@ from k3jax import sharding
 from pallas_kernels import util
 
 
-def budget(cpu: int, gpu: int) -> settings:
-  """``hypothesis.settings`` for a randomized test: ``cpu`` examples without a Hopper GPU, ``gpu`` with one."""
+# Linux caps a process's memory mappings (``vm.max_map_count``, 65,530 by default), and every compiled XLA:CPU
+# executable holds a few of its own for as long as JAX's caches keep it. Interpret mode compiles executables per
+# kernel, shape and warpgroup thread, so a long randomized run (``K3JAX_EXAMPLES=20``) filled the table, and the
+# next mapping failed inside jaxlib as a segmentation fault. Past this many mappings an example first drops JAX's
+# caches (their executables unmap when collected).
+MAX_MAPPINGS = 40_000
+
+
+def release_compiled_code() -> bool:
+  """``jax.clear_caches()`` if the process holds more than ``MAX_MAPPINGS`` memory mappings (Linux; elsewhere
+  nothing). Returns whether it cleared them."""
+  try:
+    with open("/proc/self/maps") as f:
+      mappings = sum(1 for _ in f)
+  except OSError:
+    return False
+  if mappings <= MAX_MAPPINGS:
+    return False
+  jax.clear_caches()
+  return True
+
+
+def budget(cpu: int, gpu: int):
+  """Decorator of a randomized test (outside its ``@given``): ``hypothesis.settings`` with ``cpu`` examples without
+  a Hopper GPU and ``gpu`` with one, each example starting with ``release_compiled_code``."""
   scale = float(os.environ.get("K3JAX_EXAMPLES", "1"))
   on_gpu = util.is_hopper_gpu()
   # No shrinking: each example compiles or interprets kernels, so shrinking a failure would cost minutes;
   # the failing example is printed as drawn.
-  return settings(max_examples=max(1, round((gpu if on_gpu else cpu) * scale)), deadline=None,
-                  derandomize=not on_gpu, database=None, print_blob=True,
-                  phases=(Phase.explicit, Phase.generate),
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                         HealthCheck.function_scoped_fixture])
+  example_settings = settings(max_examples=max(1, round((gpu if on_gpu else cpu) * scale)), deadline=None,
+                              derandomize=not on_gpu, database=None, print_blob=True,
+                              phases=(Phase.explicit, Phase.generate),
+                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                     HealthCheck.function_scoped_fixture])
+
+  def apply(test):
+    if not hasattr(test, "hypothesis"):
+      raise TypeError(f"@budget goes above @given, got {test!r}")
+    test = example_settings(test)
+    inner = test.hypothesis.inner_test  # what hypothesis calls once per example (replaceable, as documented)
+
+    @functools.wraps(inner)
+    def each_example(*args, **kwargs):
+      release_compiled_code()
+      return inner(*args, **kwargs)
+
+    test.hypothesis.inner_test = each_example
+    return test
+
+  return apply
 
 
 SEEDS = st.integers(0, 2**31 - 1)

@@ -110,7 +110,7 @@ def test_prefix_cache_hit_matches_the_uncached_prefill(tmp_path, capsys):
 
 
 def test_long_prompt_profile_sorts_kernels_into_families(monkeypatch):
-  fake = [("anonymous_mosaic_gpu_kernel", 5.0), ("nvjet_hsh_128x256_64x4", 3.0), ("loop_add_fusion", 1.0),
+  fake = [("mla_prefill_mosaic_gpu_kernel", 5.0), ("nvjet_hsh_128x256_64x4", 3.0), ("loop_add_fusion", 1.0),
           ("input_transpose_fusion", 0.25), ("loop_add_fusion", 0.5), ("cutlass_80_tensorop_gemm", 2.0)]
 
   @contextlib.contextmanager
@@ -195,7 +195,7 @@ def test_kda_prefill_bench_fit_separates_a_streams_fixed_cost(monkeypatch):
 def test_kda_prefill_kernel_overheads_leave_out_the_prep_mode():
   """A variant's kernel overhead counts its non-prep kernels only, over the base's rest plus the fastest prep: a
   slow prep (the executable's mode) adds nothing, an extra stage-2 cost does."""
-  prep, state = "anonymous_mosaic_gpu_kernel", "anonymous_mosaic_gpu_kernel"
+  prep, state = "kda_prefill_prep_mosaic_gpu_kernel", "kda_prefill_state_mosaic_gpu_kernel"
   tables = {"base": [("convert", 0.01), (prep, 1.40), (state, 0.35)],
             "slow_prep": [("convert", 0.01), (prep, 1.90), (state, 0.35)],
             "ckpt": [("convert", 0.01), (prep, 1.45), (state, 0.35), ("copy", 0.036)]}

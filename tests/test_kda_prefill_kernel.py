@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import kda
-from pallas_kernels.kda import prefill_combine, prefill_kernel
+from pallas_kernels.kda import prefill_combine, prefill_kernel, prefill_state
 from pallas_kernels.mosaic_interpret import interpret_mode
 from pallas_kernels.testing import kda_gate_params, kda_inputs, kda_prefill_oracle, rel_rmse
 
@@ -264,8 +264,10 @@ def test_segment_combine_matches_float64(kernel_impl, K, V, G, pool_dtype):
   pool = pool.at[jnp.array([0, 1, 3, 4])].set(jnp.nan)  # slot 4 belongs to a sequence without an initial state
   interpret = kernel_impl == "interpret"
   with interpret_mode(interpret):
+    meta = np.zeros((prefill_state.SEQ_META_ROWS, N), np.int32)
+    meta[prefill_state.SLOT_ROW], meta[prefill_state.INIT_ROW] = slots, has
     out = jax.jit(functools.partial(prefill_combine.combine, G=G, interpret=interpret))(
-        jnp.asarray(bm), pool, jnp.asarray(slots), jnp.asarray(has))
+        jnp.asarray(bm), pool, jnp.asarray(meta))
   assert out.shape == (N * G, H, V, K) and out.dtype == jnp.float32
   out = np.asarray(out, np.float64)
   bm64, pool64 = bm.astype(np.float64).reshape(N, G, H, V + K, K), np.asarray(pool, np.float64)

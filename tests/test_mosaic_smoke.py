@@ -53,3 +53,27 @@ def test_smoke_rejects_bad_inputs():
 def test_smoke_compiled_matches_dot():
   a, b = _inputs()
   _check(smoke_matmul(a, b), a, b)
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_interpret_mode_reports_an_unordered_smem_access(ordered):
+  """Race detection is on in ``mosaic_interpret.interpret_mode``: a TMA store that reads an SMEM buffer before the
+  wait on the TMA load that fills it is reported; with the wait first it is not."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  def body(x_ref, o_ref, buf, bar):
+    plgpu.copy_gmem_to_smem(x_ref, buf, bar)
+    if ordered:
+      plgpu.barrier_wait(bar)
+    plgpu.copy_smem_to_gmem(buf, o_ref)
+    plgpu.wait_smem_to_gmem(0)
+    if not ordered:
+      plgpu.barrier_wait(bar)  # every barrier phase is awaited
+
+  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
+                        scratch_types=[plgpu.SMEM((64, 64), jnp.float32), plgpu.Barrier()])
+  with mosaic_interpret.interpret_mode():
+    jax.block_until_ready(jax.jit(kernel)(jnp.ones((64, 64), jnp.float32)))
+  found = mosaic_interpret.races_found()
+  mosaic_interpret.reset_state()  # the expected race must not fail this test's teardown check
+  assert found == (not ordered)

@@ -1,6 +1,11 @@
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
+from hypothesis import given, strategies as st
+
+import support
 
 from pallas_kernels import util
 from pallas_kernels.kda import KdaConfig
@@ -53,3 +58,23 @@ def test_phases_name_consecutive_regions():
 
   eqns = jax.make_jaxpr(body)(1.0).eqns
   assert [str(e.source_info.name_stack) for e in eqns] == ["first", "second", ""]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts mappings in /proc/self/maps (Linux)")
+def test_randomized_examples_drop_jax_caches_past_the_mapping_limit(monkeypatch):
+  """``support.budget`` starts every example with ``release_compiled_code``: JAX's caches are dropped before
+  each example once the process holds more than ``MAX_MAPPINGS`` memory mappings, and never below that."""
+  cleared, examples = [], []
+  monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(len(examples)))
+
+  @support.budget(cpu=3, gpu=3)
+  @given(x=st.integers())
+  def body(x):
+    examples.append(x)
+
+  for limit, clears in ((10**9, False), (0, True)):
+    cleared.clear()
+    examples.clear()
+    monkeypatch.setattr(support, "MAX_MAPPINGS", limit)
+    body()
+    assert examples and cleared == (list(range(len(examples))) if clears else []), (limit, cleared, examples)

@@ -324,8 +324,8 @@ def _request(pc: PrefixCache, slots: SlotAllocator, pages: PagePool, slot_mem: d
   return seq
 
 
-@given(data=st.data())
 @budget(cpu=100, gpu=100)
+@given(data=st.data())
 def test_random_requests_keep_the_invariants(data):
   """Requests (lookup, room, reserve, fake prefill, commit/abort now or later), sequence ends and repeated
   releases on fake pools: every hit reads the state and rows of exactly its prefix (so nothing it holds was

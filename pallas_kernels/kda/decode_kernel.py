@@ -204,6 +204,7 @@ def _launch(q, k, v, g_raw, beta_raw, A_log, dt_bias, pool_ref, state_indices, n
     )
   kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((n, steps, h, vdim), q.dtype),
                         grid=(vdim // block, h, n), grid_names=("vb", "h", "n"), scratch_types=scratch,
+                        kernel_name="kda_decode",
                         compiler_params=util.compiler_params())
   # The one-token kernel never reads num_accepted: pass the slots in its place rather than build an array.
   accepted = num_accepted.astype(jnp.int32) if speculative else state_indices

@@ -18,6 +18,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import util
 from pallas_kernels.kda._mosaic import WG, bf16, f32, tiled
+from pallas_kernels.kda import prefill_state
 from pallas_kernels.kda.prefill_state import BV
 
 
@@ -28,7 +29,7 @@ def _split(x: jax.Array, hi, lo) -> None:
   lo[...] = (x - x_hi.astype(f32)).astype(bf16)
 
 
-def _combine_body(slot_ref, init_ref, pool_ref, bm_ref, out_ref, stg, m_f, b_f, m_hi, m_lo, s_hi, s_lo, init_bar,
+def _combine_body(meta_ref, pool_ref, bm_ref, out_ref, stg, m_f, b_f, m_hi, m_lo, s_hi, s_lo, init_bar,
                   bar, *, G: int, interpret: bool):
   init_s, out_s = stg  # one memory: the initial state's staging, then each first state's
   K = m_f.shape[-1]
@@ -36,8 +37,8 @@ def _combine_body(slot_ref, init_ref, pool_ref, bm_ref, out_ref, stg, m_f, b_f, 
   v0 = pl.multiple_of(lax.axis_index("v") * BV, BV)
   n = lax.axis_index("n")
   h = lax.axis_index("h")
-  slot = slot_ref[n]
-  has_init = (slot >= 0) & (init_ref[n] != 0)
+  slot = meta_ref[prefill_state.SLOT_ROW, n]
+  has_init = (slot >= 0) & (meta_ref[prefill_state.INIT_ROW, n] != 0)
 
   def issue(j):
     """Segment ``j``'s M and this program's rows of its B."""
@@ -90,7 +91,7 @@ def _combine_body(slot_ref, init_ref, pool_ref, bm_ref, out_ref, stg, m_f, b_f, 
   util.finish_stores()
 
 
-def combine(bm: jax.Array, state_pool: jax.Array, slots: jax.Array, has_init: jax.Array, *, G: int,
+def combine(bm: jax.Array, state_pool: jax.Array, seq_meta: jax.Array, *, G: int,
             interpret: bool = False) -> jax.Array:
   """Every segment's first state.
 
@@ -98,7 +99,8 @@ def combine(bm: jax.Array, state_pool: jax.Array, slots: jax.Array, has_init: ja
     bm: ``[N * G, H, V + K, K]`` f32, the transition pass's output for segment ``j`` of sequence ``n`` at
       ``n * G + j``: rows ``[0, V)`` B, rows ``[V, V + K)`` M.
     state_pool: ``[P, H, V, K]`` f32 or bf16, read at the sequences' initial-state slots.
-    slots: ``[N]`` int32 pool slots (-1: no initial state). has_init: ``[N]`` int32 (0/1).
+    seq_meta: ``prefill_state.state_pass``'s ``[SEQ_META_ROWS, N]`` table of the sequences; its pool slot
+      (-1: no initial state) and has-initial-state (0/1) rows are read.
     G: segments per sequence.
     interpret: the variant for interpret mode (``util.accumulate``).
 
@@ -108,7 +110,7 @@ def combine(bm: jax.Array, state_pool: jax.Array, slots: jax.Array, has_init: ja
   """
   NS, H, R, K = bm.shape
   V = R - K
-  N = slots.shape[0]
+  N = seq_meta.shape[1]
   if NS != N * G or V <= 0 or V % BV or state_pool.shape[1:] != (H, V, K):
     raise ValueError(f"combine: bm {bm.shape} must be [N * G = {N * G}, H, V + K, K] with V a multiple of {BV}, "
                      f"matching state_pool {state_pool.shape} [P, H, V, K]")
@@ -122,6 +124,6 @@ def combine(bm: jax.Array, state_pool: jax.Array, slots: jax.Array, has_init: ja
   return plgpu.kernel(
       functools.partial(_combine_body, G=G, interpret=interpret),
       out_type=jax.ShapeDtypeStruct((NS, H, V, K), f32),
-      grid=(V // BV, N, H), grid_names=("v", "n", "h"), scratch_types=scratch,
+      grid=(V // BV, N, H), grid_names=("v", "n", "h"), scratch_types=scratch, kernel_name="kda_prefill_combine",
       compiler_params=util.compiler_params(unsafe_no_auto_barriers=True),
-  )(slots, has_init, state_pool, bm)
+  )(seq_meta, state_pool, bm)

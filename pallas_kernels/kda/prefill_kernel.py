@@ -16,6 +16,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels import util
@@ -50,13 +51,14 @@ def _checkpoint_table(indptr, offsets, slots, chunk_start, num_slots: int):
   """Checkpoints sorted by the chunk slot after which they are taken, and each slot's range in that list."""
   M = offsets.shape[0]
   if M == 0:
-    sorted_chunk = jnp.full((1,), -1, jnp.int32)
-    sorted_slot = jnp.full((1,), -1, jnp.int32)
-  else:
-    seq = _search(indptr, jnp.arange(M, dtype=jnp.int32), "right") - 1
-    chunk = chunk_start[seq] + offsets // C - 1
-    order = jnp.argsort(chunk, stable=True)
-    sorted_chunk, sorted_slot = chunk[order].astype(jnp.int32), slots[order]
+    # No checkpoints (a static shape): empty ranges as constants, which XLA embeds in the executable; computed
+    # as arrays they would be kernels of their own on every call. The list holds one unread -1.
+    empty = jnp.asarray(np.zeros(num_slots, np.int32))
+    return empty, empty, jnp.asarray(np.full(1, -1, np.int32))
+  seq = _search(indptr, jnp.arange(M, dtype=jnp.int32), "right") - 1
+  chunk = chunk_start[seq] + offsets // C - 1
+  order = jnp.argsort(chunk, stable=True)
+  sorted_chunk, sorted_slot = chunk[order].astype(jnp.int32), slots[order]
   ids = jnp.arange(num_slots, dtype=jnp.int32)
   lo, hi = _search(sorted_chunk, ids, "left"), _search(sorted_chunk, ids, "right")
   return lo, hi, sorted_slot.astype(jnp.int32)
@@ -87,8 +89,9 @@ def _prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, cu_seqlens, state_pool, s
   with interpret_mode(interpret):
     work = prefill_prep.prep(q, k, v, g_raw, beta_p, A_log, dt_bias, tok, rows, scale=scale,
                              lower_bound=config.lower_bound, smem_operands=interpret)
-    seq_meta = (chunk_start, nch, cu_seqlens[:-1].astype(jnp.int32), lens.astype(jnp.int32),
-                state_indices, has_initial_state.astype(jnp.int32))
+    # One [6, N] table (prefill_state.SEQ_META_ROWS): XLA builds it in one kernel.
+    seq_meta = jnp.stack([chunk_start, nch, cu_seqlens[:-1].astype(jnp.int32), lens.astype(jnp.int32),
+                          state_indices, has_initial_state.astype(jnp.int32)])
     if segments > 1:
       return _segmented_state_pass(work, seq_meta, state_pool,
                                    (checkpoint_indptr, checkpoint_offsets, checkpoint_slots), T=T, G=segments,
@@ -112,8 +115,8 @@ def _segmented_state_pass(work, seq_meta, state_pool, ckpt, *, T: int, G: int, o
   place. Segment j of a sequence of ``nch`` chunks takes chunks ``[j nch // G, (j + 1) nch // G)``: the last one
   holds a chunk whenever the sequence does, so its final-state rule is the one-pass rule (a length-0 sequence
   writes the zero state without an initial state and leaves its slot untouched with one; -1 slots are written
-  nowhere). An empty segment has M = I and B = 0. Args as ``prefill_state.state_pass`` (``ckpt``: the checkpoint
-  indptr, offsets and slots).
+  nowhere). An empty segment has M = I and B = 0. Args as ``prefill_state.state_pass`` (``seq_meta`` as its
+  rows; ``ckpt``: the checkpoint indptr, offsets and slots).
   """
   qg, kg, neg_w, u, aqk, decay = work
   chunk_start, nch, t0, lens, slots, has_init = seq_meta
@@ -126,20 +129,21 @@ def _segmented_state_pass(work, seq_meta, state_pool, ckpt, *, T: int, G: int, o
   last = jnp.arange(G, dtype=jnp.int32)[None, :] == G - 1
   runs = tuple(x.reshape(NS) for x in (chunk_start[:, None] + first, count, t0[:, None] + first * C,
                                         jnp.clip(lens[:, None] - first * C, 0, count * C)))
-  # The transition pass's value blocks follow the one-pass rule over its own V + K rows (``v_blocks``, the user's
-  # or that rule over V, sizes the second pass).
-  bm = prefill_state.transition_pass(qg, kg, neg_w, u, decay,
-                                     (*runs, jnp.arange(NS, dtype=jnp.int32), jnp.zeros((NS,), jnp.int32)),
-                                     v_blocks=prefill_state.choose_v_blocks(NS, H, V + K), interpret=interpret)
-  starts = prefill_combine.combine(bm, state_pool, slots, has_init, G=G, interpret=interpret)
   # Second pass: every segment starts from its row of ``starts`` (a length-0 sequence's last segment only with an
-  # initial state, as one pass decides); the last segment writes into the sequence's slot.
+  # initial state, as one pass decides); the last segment writes into the sequence's slot. The transition pass
+  # reads the same table (not its slot and initial-state rows): one table, one XLA kernel.
   run_slots = jnp.where(last, slots[:, None], -1).reshape(NS)
   run_init = jnp.where(~last | (nch[:, None] > 0), 1, has_init[:, None]).reshape(NS)
+  run_meta = jnp.stack([*runs, run_slots, run_init])
+  # The transition pass's value blocks follow the one-pass rule over its own V + K rows (``v_blocks``, the user's
+  # or that rule over V, sizes the second pass).
+  bm = prefill_state.transition_pass(qg, kg, neg_w, u, decay, run_meta,
+                                     v_blocks=prefill_state.choose_v_blocks(NS, H, V + K), interpret=interpret)
+  starts = prefill_combine.combine(bm, state_pool, seq_meta, G=G, interpret=interpret)
   ck = _checkpoint_table(*ckpt, chunk_start, S)
   pool_ref = jax.new_ref(state_pool)
-  o = prefill_state.state_pass(qg, kg, neg_w, u, aqk, decay, pool_ref, (*runs, run_slots, run_init), ck, T=T,
-                               out_dtype=out_dtype, v_blocks=v_blocks, interpret=interpret, starts=starts)
+  o = prefill_state.state_pass(qg, kg, neg_w, u, aqk, decay, pool_ref, run_meta, ck, T=T, out_dtype=out_dtype,
+                               v_blocks=v_blocks, interpret=interpret, starts=starts)
   return o, pool_ref[...]
 
 

@@ -381,5 +381,6 @@ def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_p: jax
   # warps itself, with a commit_smem (a fence and a warpgroup barrier) wherever a store's memory was read by
   # other warps (their loads or their wgmmas) or is read by them next, and the TMA store waits end in one too.
   return plgpu.kernel(body, out_type=out_type, grid=(S, H), grid_names=("c", "h"), scratch_types=scratch,
+                      kernel_name="kda_prefill_prep",
                       compiler_params=util.compiler_params(approx_math=True, unsafe_no_auto_barriers=True))(
       chunk_tok, chunk_len, q, k, v, g_raw, beta_p, A_log, dt_bias)

@@ -10,6 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -20,10 +21,12 @@ from pallas_kernels.kda.config import CHUNK_SIZE as C
 
 BV = 64  # V-block of one warpgroup
 NBUF = 2  # prefetch depth (stages of the chunk-input ring)
+SEQ_META_ROWS = 6  # rows of ``state_pass``'s per-sequence table
+SLOT_ROW, INIT_ROW = 4, 5  # its pool-slot and has-initial-state rows
 
 
 def _state_body(*refs, K: int, wgs: int, interpret: bool, real_rows: int | None, starts: bool):
-  (cs_ref, nch_ref, tok_ref, len_ref, slot_ref, init_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref), refs = refs[:9], refs[9:]
+  (meta_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref), refs = refs[:4], refs[4:]
   with_o = real_rows is None  # else the transition pass: no o, rows past real_rows start as the identity
   start_ref = None
   if with_o:
@@ -39,13 +42,11 @@ def _state_body(*refs, K: int, wgs: int, interpret: bool, real_rows: int | None,
   vg = lax.axis_index("v")
   h = lax.axis_index("h")
   n = lax.axis_index("n")
-  cs = cs_ref[n]
-  nch = nch_ref[n]
-  t0 = tok_ref[n]
-  seq_len = len_ref[n]
-  slot = slot_ref[n]
+  cs, nch, t0, seq_len, slot, init = (meta_ref[r, n] for r in range(SEQ_META_ROWS))
+  if not with_o:  # the transition pass reads the second pass's table: it starts from zero, into its own row
+    slot, init = n, 0
   # With starts, a sequence's initial state is its own row there, whatever its slot (where it only writes).
-  has_init = (init_ref[n] != 0) if starts else (slot >= 0) & (init_ref[n] != 0)
+  has_init = (init != 0) if starts else (slot >= 0) & (init != 0)
 
   def issue(i, st):
     """Warpgroup 0 loads chunk i's inputs into stage st: the V-independent ones once, U per warpgroup."""
@@ -213,7 +214,7 @@ def choose_segments(num_seqs: int, num_heads: int, vdim: int, num_tokens: int) -
 
 
 def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk: jax.Array,
-               chunk_decay: jax.Array, pool_ref, seq_meta: tuple[jax.Array, ...], ck_meta: tuple[jax.Array, ...],
+               chunk_decay: jax.Array, pool_ref, seq_meta: jax.Array, ck_meta: tuple[jax.Array, ...],
                *, T: int, out_dtype, v_blocks: int, interpret: bool = False,
                starts: jax.Array | None = None) -> jax.Array:
   """Stage 2. Writes final states / checkpoints into ``pool_ref`` (a ``jax.new_ref`` of the pool) in place.
@@ -221,8 +222,8 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
   Args:
     qg, kg, neg_w, u, aqk, chunk_decay: stage-1 workspaces (``prefill_prep.prep``), chunk slots first.
     pool_ref: ref of the ``[P, H, V, K]`` pool (f32 or bf16).
-    seq_meta: ``[N]`` int32 each: first chunk slot, number of chunks, first token, length, pool slot,
-      has-initial-state (0/1).
+    seq_meta: ``[SEQ_META_ROWS, N]`` int32, one row each: first chunk slot, number of chunks, first token,
+      length, pool slot, has-initial-state (0/1). One array, so that XLA builds it in one kernel.
     ck_meta: checkpoints sorted by chunk slot: per chunk slot the range ``[lo, hi)`` into the sorted list
       (``[S]`` int32 each) and the sorted destination slots (``[M']`` int32, -1 = skip).
     T: total tokens. out_dtype: dtype of ``o``. v_blocks: V-blocks of ``BV`` per program (a warpgroup each,
@@ -245,24 +246,25 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
 
 
 def transition_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, chunk_decay: jax.Array,
-                    seq_meta: tuple[jax.Array, ...], *, v_blocks: int, interpret: bool = False) -> jax.Array:
+                    seq_meta: jax.Array, *, v_blocks: int, interpret: bool = False) -> jax.Array:
   """The segmented pass's first pass (``prefill_kernel._segmented_state_pass``): the state pass over runs of
   chunks from a zero state, without ``o``, over ``V + K`` rows: the first ``V`` carried with U as usual and the
   last ``K`` starting as the identity with U = 0, which end as the run's transition matrix.
 
-  Args: as ``state_pass`` (``seq_meta``'s slots are the runs' own, ``0..N-1``; has-initial-state 0).
+  Args: as ``state_pass``; ``seq_meta``'s slot and has-initial-state rows are not read (every run starts from
+  zero and ends in its own row of the output).
 
   Returns:
     ``[N, H, V + K, K]`` f32: every run's final rows (all written).
   """
   _, H, _, K = qg.shape
   V = u.shape[-1]
-  N = seq_meta[0].shape[0]
+  N = seq_meta.shape[1]
   if V % BV:
     raise ValueError(f"transition_pass needs V a multiple of {BV}, got {V}")
-  # No checkpoints: every chunk slot's range is empty.
+  # No checkpoints: every chunk slot's range is empty (constants: no XLA kernels compute them).
   S = qg.shape[0]
-  no_ck = (jnp.zeros((S,), jnp.int32), jnp.zeros((S,), jnp.int32), jnp.full((1,), -1, jnp.int32))
+  no_ck = (jnp.asarray(np.zeros(S, np.int32)),) * 2 + (jnp.asarray(np.full(1, -1, np.int32)),)
   return _call((kg, neg_w, u, chunk_decay), seq_meta, no_ck, H=H, K=K, rows=V + K, v_blocks=v_blocks,
                out_type=jax.ShapeDtypeStruct((N, H, V + K, K), f32), pool_dtype=f32, interpret=interpret,
                real_rows=V, starts=False)
@@ -273,7 +275,9 @@ def _call(inputs, seq_meta, ck_meta, *, H: int, K: int, rows: int, v_blocks: int
   """One ``plgpu.kernel`` of ``_state_body`` over ``inputs`` (``_state_body``'s order for the mode: the pool ref,
   updated in place, then the starts if any, with ``o`` the output; or, for the transition pass, no pool and the
   output its pool)."""
-  N = seq_meta[0].shape[0]
+  if seq_meta.shape[0] != SEQ_META_ROWS:
+    raise ValueError(f"seq_meta must have {SEQ_META_ROWS} rows, got shape {seq_meta.shape}")
+  N = seq_meta.shape[1]
   wgs = v_blocks
   if wgs not in (1, 2) or (rows // BV) % wgs:
     raise ValueError(f"v_blocks must be 1 or 2 and divide {rows} / {BV} rows, got {v_blocks}")
@@ -301,5 +305,6 @@ def _call(inputs, seq_meta, ck_meta, *, H: int, K: int, rows: int, v_blocks: int
       # Heads fastest: the first programs are the first sequence's heads, which begin with the chunks the prep
       # wrote last (see prefill_prep), still in the L2.
       grid=(rows // (BV * wgs), N, H), grid_names=("v", "n", "h"), num_threads=wgs, thread_name="wg",
+      kernel_name="kda_prefill_transition" if transition else "kda_prefill_state",
       scratch_types=scratch, compiler_params=util.compiler_params(unsafe_no_auto_barriers=True),
-  )(*seq_meta, *ck_meta, *inputs)
+  )(seq_meta, *ck_meta, *inputs)

@@ -396,6 +396,7 @@ def _attention(q, k_nope, k_rope, v, row_lo, row_hi, *, scale, block_k, num_stag
       grid_names=("h", "q"),
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
+      kernel_name="mla_prefill",
       scratch_types=scratch,
       compiler_params=util.compiler_params(approx_math=True),
   )

@@ -140,6 +140,7 @@ def _update(x, weight, conv_pool, state_indices, num_accepted, *, activation, in
         out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
         grid=(util.cdiv(d, block), util.cdiv(n, rows)),
         grid_names=("d", "g"),
+        kernel_name="short_conv_update",
         scratch_types=(plgpu.SMEM((weight.shape[1], block), jnp.float32),),
         compiler_params=util.compiler_params(),
     )(x, weight, slots, accepted, pool_ref)
@@ -283,6 +284,7 @@ def _prefill(x, weight, cu_seqlens, conv_pool, state_indices, has_initial_state,
         out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
         grid=(util.cdiv(d, block), num_blocks + n),
         grid_names=("d", "g"),
+        kernel_name="short_conv_prefill",
         scratch_types=(plgpu.SMEM((weight.shape[1], block), jnp.float32),),
         compiler_params=util.compiler_params(),
     )(x, weight, head, cu, slots, read, *ck, pool_ref)
