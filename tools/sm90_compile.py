@@ -213,6 +213,8 @@ CASES: dict[str, Callable[[], tuple[Callable, tuple]]] = {
     "kda-prefill-8x1024-h96-ckpt4": lambda: _kda_prefill_case(8, 1024, 96, ckpt_per_seq=4),
     "kda-prefill-8x1024-h96-bf16-state": lambda: _kda_prefill_case(8, 1024, 96, state_dtype=jnp.bfloat16),
     "kda-prefill-8192-h11": lambda: _kda_prefill_case(1, 8192, 11),
+    "kda-prefill-8192-h96": lambda: _kda_prefill_case(1, 8192, 96),
+    "kda-prefill-32768-h32": lambda: _kda_prefill_case(1, 32768, 32),
     "kda-decode-64-h96": lambda: _kda_decode_case(64, 96),
     "mla-decode-hq16-bf16": lambda: _mla_decode_case(32, 16, 32768, jnp.bfloat16),
     "mla-decode-hq128-bf16": lambda: _mla_decode_case(32, 128, 32768, jnp.bfloat16),

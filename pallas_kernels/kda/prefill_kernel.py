@@ -56,12 +56,12 @@ def _checkpoint_table(indptr, offsets, slots, chunk_start, num_slots: int):
     empty = jnp.asarray(np.zeros(num_slots, np.int32))
     return empty, empty, jnp.asarray(np.full(1, -1, np.int32))
   seq = _search(indptr, jnp.arange(M, dtype=jnp.int32), "right") - 1
-  chunk = chunk_start[seq] + offsets // C - 1
-  order = jnp.argsort(chunk, stable=True)
-  sorted_chunk, sorted_slot = chunk[order].astype(jnp.int32), slots[order]
+  chunk = (chunk_start[seq] + offsets // C - 1).astype(jnp.int32)
+  # One stable sort of both arrays by chunk (argsort and a gather would be two kernels).
+  sorted_chunk, sorted_slot = lax.sort((chunk, slots.astype(jnp.int32)), num_keys=1, is_stable=True)
   ids = jnp.arange(num_slots, dtype=jnp.int32)
   lo, hi = _search(sorted_chunk, ids, "left"), _search(sorted_chunk, ids, "right")
-  return lo, hi, sorted_slot.astype(jnp.int32)
+  return lo, hi, sorted_slot
 
 
 def _check_supported(K: int, V: int, v_blocks: int) -> None:
