@@ -17,12 +17,13 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 # The CUDA PJRT plugin of the venv's jaxlib, installed beside the venv, not in it: tools/sm90_compile.py compiles for
-# the H200 with it on a machine without a GPU, and no other process of the suite sees a CUDA plugin.
+# the H200 with it on a machine without a GPU, and no other process of the suite sees a CUDA plugin. nvdisasm
+# (which the machine's CUDA lacks) lets it dump SASS (--sass).
 aot: $(AOT_STAMP)
 
-$(AOT_STAMP): $(STAMP)
+$(AOT_STAMP): $(STAMP) Makefile
 	v=$$($(PY) -c 'import jaxlib; print(jaxlib.__version__)') && $(PY) -m pip install --quiet --no-deps --upgrade \
-	  --target $(AOT) "jax-cuda13-plugin==$$v" "jax-cuda13-pjrt==$$v"
+	  --target $(AOT) "jax-cuda13-plugin==$$v" "jax-cuda13-pjrt==$$v" "nvidia-cuda-nvdisasm==13.5.37"
 	@touch $(AOT_STAMP)
 
 demo: $(STAMP)

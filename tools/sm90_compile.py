@@ -11,7 +11,11 @@ It needs the CUDA PJRT plugin of the pinned jaxlib on ``sys.path`` and ptxas (CU
 installs the plugin's two wheels into ``.aot/``, outside the virtual environment, so that no other process of the
 test suite sees a CUDA plugin:
 
-  make aot && PYTHONPATH=.aot:. .venv/bin/python tools/sm90_compile.py [--cases NAME ...] [--json FILE]
+  make aot && PYTHONPATH=.aot:. .venv/bin/python tools/sm90_compile.py [--cases NAME ...] [--json FILE] [--sass DIR]
+
+``--sass DIR`` also writes each case's ptxas report and SASS to ``DIR/<case>.txt`` (where the spills sit): Mosaic
+GPU runs nvdisasm from the CUDA root that the plugin finds when it loads, so the script points ``CUDA_ROOT`` at one
+first (``.aot/cuda``: the machine's CUDA with the nvdisasm that ``make aot`` installs).
 """
 
 from __future__ import annotations
@@ -23,17 +27,45 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
 
-if __name__ == "__main__":  # before jax reads it: the CUDA plugin is compiled against, never initialised
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+AOT = ROOT / ".aot"
+SYSTEM_CUDA = pathlib.Path(os.environ.get("CUDA_ROOT", "/usr/local/cuda"))
+
+
+def cuda_root_with_nvdisasm() -> pathlib.Path:
+  """``.aot/cuda``: the machine's CUDA root (``CUDA_ROOT`` or /usr/local/cuda) entry by entry, plus the nvdisasm of
+  ``make aot`` in its ``bin`` (the machine's CUDA has none)."""
+  nvdisasm = next(AOT.glob("nvidia/cu*/bin/nvdisasm"), None)
+  if nvdisasm is None or not (SYSTEM_CUDA / "bin" / "ptxas").exists():
+    raise RuntimeError(f"--sass needs nvdisasm in {AOT} (make aot) and ptxas in {SYSTEM_CUDA}/bin")
+  root = AOT / "cuda"
+  if SYSTEM_CUDA.resolve() == root.resolve():
+    raise RuntimeError(f"CUDA_ROOT must be the machine's CUDA, not {root}")
+  shutil.rmtree(root, ignore_errors=True)
+  (root / "bin").mkdir(parents=True)
+  for entry in SYSTEM_CUDA.iterdir():
+    if entry.name != "bin":
+      (root / entry.name).symlink_to(entry.resolve())
+  for tool in (SYSTEM_CUDA / "bin").iterdir():
+    (root / "bin" / tool.name).symlink_to(tool.resolve())
+  nvdisasm.chmod(0o755)
+  (root / "bin" / "nvdisasm").symlink_to(nvdisasm.resolve())
+  return root
+
+
+if __name__ == "__main__":  # before jax and the plugin read them
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin is compiled against, never initialised
+  if "--sass" in sys.argv:  # Mosaic GPU runs nvdisasm from the CUDA root the plugin finds when it loads
+    os.environ["CUDA_ROOT"] = str(cuda_root_with_nvdisasm())
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 TARGET_CONFIG = ROOT / "tools" / "h200_target_config.txtpb"
 # XLA's kernels in the optimized HLO's entry computation: fusions, custom calls (Mosaic GPU's are
 # ``mosaic_gpu``), and the few ops XLA emits as kernels of their own.
@@ -119,14 +151,18 @@ def entry_kernels(hlo_text: str) -> tuple[str, ...]:
   return tuple(f"{m.group(1)}: {m.group(2)}" for line in entry.splitlines() if (m := _KERNEL_OP.match(line)))
 
 
-def compile_report(case: str, fn: Callable, *args: jax.ShapeDtypeStruct) -> Report:
-  """Compiles ``jax.jit(fn)(*args)`` (shapes only) for the H200 and reports its kernels. Run with
-  ``JAX_PLATFORMS=cpu`` (the script sets it): the CUDA plugin is compiled against, never initialised."""
+def compile_report(case: str, fn: Callable, *args: jax.ShapeDtypeStruct, log_to: pathlib.Path | None = None
+                   ) -> Report:
+  """Compiles ``jax.jit(fn)(*args)`` (shapes only) for the H200 and reports its kernels (``log_to``: also write the
+  compile's output there, with SASS if ``MOSAIC_GPU_DUMP_SASS`` is set). Run with ``JAX_PLATFORMS=cpu`` (the
+  script sets it): the CUDA plugin is compiled against, never initialised."""
   os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"  # read by Mosaic GPU's compiler in the plugin, per kernel
   sharding = jax.sharding.SingleDeviceSharding(compile_only_device())
   specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
   with _captured_fds() as log:
     compiled = jax.jit(fn).trace(*specs).lower().compile()
+  if log_to is not None:
+    log_to.write_text(log[0])
   kernels = parse_ptxas(log[0])
   if not kernels:
     raise RuntimeError(f"{case}: no ptxas report in the compile's output (is ptxas on PATH?):\n{log[0][-2000:]}")
@@ -225,11 +261,14 @@ CASES: dict[str, Callable[[], tuple[Callable, tuple]]] = {
 }
 
 
-def run(names) -> list[Report]:
+def run(names, sass_dir: pathlib.Path | None = None) -> list[Report]:
+  if sass_dir is not None:
+    sass_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["MOSAIC_GPU_DUMP_SASS"] = "1"
   reports = []
   for name in names:
     fn, args = CASES[name]()
-    reports.append(compile_report(name, fn, *args))
+    reports.append(compile_report(name, fn, *args, log_to=sass_dir / f"{name}.txt" if sass_dir else None))
   return reports
 
 
@@ -237,8 +276,9 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
   parser.add_argument("--json", type=pathlib.Path, help="write the reports here as JSON")
+  parser.add_argument("--sass", type=pathlib.Path, metavar="DIR", help="write each case's ptxas report and SASS here")
   args = parser.parse_args(argv)
-  reports = run(args.cases)
+  reports = run(args.cases, args.sass)
   for r in reports:
     print(f"{r.case}: {len(r.xla_only())} XLA kernels beside the Mosaic GPU ones ({', '.join(r.xla_only())})")
     for k in r.kernels:
