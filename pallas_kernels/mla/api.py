@@ -154,14 +154,20 @@ def merge_partials(o_parts: jax.Array, lse_parts: jax.Array, *,
   util.check_shape("lse_parts", lse_parts, tuple(o_parts.shape[:-1]))
   if o_parts.shape[0] < 1:
     raise ValueError(f"o_parts must hold at least one part (S >= 1), got shape {tuple(o_parts.shape)}")
-  # max propagates NaN; a +inf part gives exp(inf - inf) = NaN below. Only the all-empty row needs a finite
+  # The parts are combined by elementwise ops over a static unroll of S, not by reductions over axis 0: XLA then
+  # builds o in one loop fusion and the LSE in another, where the max, the sum and the weighted sum as
+  # reductions were three kernels beside the decode kernel.
+  parts = range(o_parts.shape[0])
+  # maximum propagates NaN; a +inf part gives exp(inf - inf) = NaN below. Only the all-empty row needs a finite
   # shift, and it keeps total = 0, hence lse = log(0) = -inf.
-  top = jnp.max(lse_parts, axis=0)
+  top = functools.reduce(jnp.maximum, [lse_parts[s] for s in parts])
   top = jnp.where(top == -jnp.inf, 0.0, top)
-  e = jnp.exp(lse_parts - top)
-  total = jnp.sum(e, axis=0)
-  weights = e / jnp.where(total == 0, 1.0, total)
+  e = [jnp.exp(lse_parts[s] - top) for s in parts]
+  total = functools.reduce(jnp.add, e)
+  denom = jnp.where(total == 0, 1.0, total)
   # A zero weight (an empty part, or one underflowed next to the others) must drop its o even if that is
-  # NaN (the o of an empty part is not defined); a NaN weight must not, so no `weights > 0` here.
-  o = jnp.sum(jnp.where(weights[..., None] == 0, 0.0, weights[..., None] * o_parts.astype(jnp.float32)), axis=0)
+  # NaN (the o of an empty part is not defined); a NaN weight must not, so no `weight > 0` here.
+  weights = [(e[s] / denom)[..., None] for s in parts]
+  o = functools.reduce(jnp.add, [jnp.where(w == 0, 0.0, w * o_parts[s].astype(jnp.float32))
+                                 for s, w in zip(parts, weights)])
   return o.astype(out_dtype), top + jnp.log(total)
