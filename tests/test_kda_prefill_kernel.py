@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels import kda
-from pallas_kernels.kda import prefill_kernel
-from pallas_kernels.testing import kda_gate_params, kda_inputs, kda_prefill_oracle
+from pallas_kernels.kda import prefill_combine, prefill_kernel, prefill_state
+from pallas_kernels.mosaic_interpret import interpret_mode
+from pallas_kernels.testing import kda_gate_params, kda_inputs, kda_prefill_oracle, rel_rmse
 
 from kda_support import PREFILL_TOL, check_prefill, prefill_to_jax, run_prefill
 
@@ -119,8 +120,10 @@ def _check_against_oracle_and_xla(kernel_impl, seed, sizes, tuning, lower_bound,
 
 # (sizes, segments, value blocks): a sequence shorter than its segments (lens 30 and 1 at G = 3), empty ones,
 # checkpoints inside and at the edges of segments (every chunk in EVERY_CHUNK), two value blocks with K = 64
-# (the transition pass then takes one).
+# (the transition pass then takes one), the transition pass with two value blocks (small-wide-12: 144 one-block
+# programs) and the second pass with one.
 SEGMENT_CASES = [pytest.param(SMALL, 3, None, id="small-3"), pytest.param(SMALL_PAIR, 2, 2, id="small-pair-2"),
+                 pytest.param(SMALL_WIDE, 12, None, id="small-wide-12"),
                  pytest.param(dict(lens=(70, 0, 200, 1), H=1, K=64, V=64), 3, None, id="ragged-3"),
                  pytest.param(LARGE, 3, None, id="large-3", marks=pytest.mark.gpu),
                  pytest.param(LARGE, 6, 2, id="large-6-pair", marks=pytest.mark.gpu),
@@ -138,10 +141,13 @@ def test_segmented_state_pass_matches_oracle_and_xla(kernel_impl, sizes, segment
                                 lower_bound, state_dtype, saturated)
 
 
-def test_deterministic_and_shorter_than_a_chunk(kernel_impl):
-  """Two runs are bitwise equal; T < 64 (one partial chunk per sequence, an empty sequence in between)."""
+@pytest.mark.parametrize("segments", [None, 2])
+def test_deterministic_and_shorter_than_a_chunk(kernel_impl, segments):
+  """Two runs are bitwise equal; T < 64 (one partial chunk per sequence, an empty sequence in between; with
+  segments, every sequence shorter than its segments)."""
   x, pool, arrays, config = _problem(1, lens=(5, 0, 20), H=1, K=64, V=64, saturated=False,
                                      state_dtype=jnp.float32, lower_bound=-5.0)
+  config["tuning"] = kda.KdaTuning(prefill_segments=segments)
   inputs, pool_j, arrays_j = prefill_to_jax(x, pool, arrays, jnp.float32)
   o1, p1 = run_prefill(inputs, pool_j, arrays_j, kernel_impl, **config)
   o2, p2 = run_prefill(inputs, pool_j, arrays_j, kernel_impl, **config)
@@ -151,35 +157,39 @@ def test_deterministic_and_shorter_than_a_chunk(kernel_impl):
   check_prefill(o1, p1, ref_o, ref_pool, pool_j, arrays, PREFILL_TOL[jnp.dtype(jnp.float32)], 25, 1, 64)
 
 
-@pytest.mark.parametrize("impl", ["kernel", "xla"])
-def test_a_nan_token_stays_in_its_sequence(kernel_impl, impl):
+@pytest.mark.parametrize("impl,segments", [("kernel", None), ("kernel", 2), ("xla", None)])
+def test_a_nan_token_stays_in_its_sequence(kernel_impl, impl, segments):
   """NaN in every input of one sequence's first token reaches no other sequence. The previous sequence ends in a
   partial chunk, whose 64-row raw tiles hold that token too, and a 0 coefficient in a matmul does not drop a NaN
   (0 * NaN is NaN): the kernel must zero those rows, not only weight them by 0. The previous sequence's o and the
-  whole pool are bitwise those of the same call with the token finite; the NaN sequence's own o is NaN."""
+  whole pool are bitwise those of the same call with the token finite; the NaN sequence's own o is NaN (with
+  segments too: the NaN crosses from its first segment into the second through the combine)."""
   impl = kernel_impl if impl == "kernel" else impl
+  config_extra = dict(tuning=kda.KdaTuning(prefill_segments=segments))
   x, pool, arrays, config = _problem(6, lens=(40, 30), H=1, K=64, V=64, saturated=False, state_dtype=jnp.float32,
                                      lower_bound=-5.0)
   assert arrays["state_indices"][1] == -1 and not len(arrays["checkpoint_slots"])  # only sequence 0 writes
   inputs, pool_j, arrays_j = prefill_to_jax(x, pool, arrays, jnp.float32)
-  o_ok, pool_ok = run_prefill(inputs, pool_j, arrays_j, impl, **config)
+  o_ok, pool_ok = run_prefill(inputs, pool_j, arrays_j, impl, **config, **config_extra)
   bad = {n: a.at[40].set(jnp.nan) if n in ("q", "k", "v", "g_raw", "beta_raw") else a for n, a in inputs.items()}
-  o_bad, pool_bad = run_prefill(bad, pool_j, arrays_j, impl, **config)
+  o_bad, pool_bad = run_prefill(bad, pool_j, arrays_j, impl, **config, **config_extra)
   np.testing.assert_array_equal(np.asarray(o_bad[:40], np.float32), np.asarray(o_ok[:40], np.float32))
   np.testing.assert_array_equal(np.asarray(pool_bad), np.asarray(pool_ok))
   assert np.isnan(np.asarray(o_bad[40:], np.float32)).all()
 
 
+@pytest.mark.parametrize("segments", [None, 3])
 @pytest.mark.parametrize("lens", [(0, 70, 0), (0, 0, 0)], ids=["some-tokens", "no-tokens"])
-def test_empty_sequences_write_zero_states(kernel_impl, lens):
+def test_empty_sequences_write_zero_states(kernel_impl, lens, segments):
   """A length-0 sequence without an initial state writes the state of zero tokens from a zero start (zeros)
-  into its slot, one with an initial state leaves its slot bitwise unchanged; as impl="xla"."""
+  into its slot, one with an initial state leaves its slot bitwise unchanged; as impl="xla"; with segments too."""
   x, pool, arrays, config = _problem(4, lens=lens, H=1, K=64, V=64, saturated=False, state_dtype=jnp.float32,
                                      lower_bound=None)
   arrays.update(state_indices=np.asarray([1, 2, 3], np.int32), has_initial_state=np.asarray([False, True, False]))
   pool[1:4] = np.random.default_rng(4).uniform(-4.0, 4.0, size=pool[1:4].shape)
   inputs, pool_j, arrays_j = prefill_to_jax(x, pool, arrays, jnp.float32)
-  o, new_pool = run_prefill(inputs, pool_j, arrays_j, kernel_impl, **config)
+  o, new_pool = run_prefill(inputs, pool_j, arrays_j, kernel_impl, tuning=kda.KdaTuning(prefill_segments=segments),
+                            **config)
   np.testing.assert_array_equal(np.asarray(new_pool[np.asarray([1, 3])]), 0.0)
   ref_o, ref_pool = _oracle(inputs, pool_j, arrays, lower_bound=None)
   check_prefill(o, new_pool, ref_o, ref_pool, pool_j, arrays, PREFILL_TOL[jnp.dtype(jnp.float32)], sum(lens), 1, 64)
@@ -221,6 +231,51 @@ def test_v_blocks_rule():
                                             state_dtype=jnp.float32).prefill_v_blocks
   assert [rule(1, 96, 128), rule(8, 96, 128), rule(1, 67, 128)] == [2, 2, 2]
   assert [rule(1, 32, 128), rule(1, 11, 128), rule(1, 66, 128), rule(200, 4, 192), rule(0, 96, 128)] == [1] * 5
+
+
+def test_segments_rule():
+  """``default_tuning``'s ``prefill_segments``: ``132 // (V / 64 · H · N)`` runs per sequence where that is at least
+  3 and the runs keep at least 8 chunks on average, else 1; decode (no ``num_tokens``) takes 1."""
+  rule = lambda N, H, T, V=128: kda.default_tuning(num_seqs=N, num_heads=H, key_dim=128, value_dim=V,
+                                                   state_dtype=jnp.float32, num_tokens=T).prefill_segments
+  assert [rule(1, 11, 8192), rule(1, 16, 8192), rule(1, 11, 1536), rule(2, 4, 32768, 64)] == [6, 4, 3, 16]
+  assert [rule(1, 32, 32768), rule(1, 96, 8192), rule(8, 96, 8192), rule(1, 11, 1535), rule(0, 11, 8192)] == [1] * 5
+  assert kda.default_tuning(num_seqs=1, num_heads=11, key_dim=128, value_dim=128,
+                            state_dtype=jnp.float32).prefill_segments == 1
+  with pytest.raises(ValueError, match="num_tokens"):
+    kda.default_tuning(num_seqs=1, num_heads=11, key_dim=128, value_dim=128, state_dtype=jnp.float32, num_tokens=-1)
+
+
+@pytest.mark.parametrize("K,V,G,pool_dtype", [(64, 64, 3, jnp.float32), (64, 128, 1, jnp.bfloat16),
+                                               (128, 128, 4, jnp.bfloat16),
+                                               pytest.param(128, 256, 6, jnp.float32, marks=pytest.mark.gpu)])
+def test_segment_combine_matches_float64(kernel_impl, K, V, G, pool_dtype):
+  """``prefill_combine.combine``: every segment's first state against float64, within 5e-5 (rel RMSE per
+  segment), which its three-part bf16 products meet and a single bf16 or TF32 product (2^-9, 2^-11) does not;
+  the initial state read only from a slot that has one (the others start at zero, NaN-poisoned slots unread)."""
+  rng = np.random.default_rng(5)
+  N, H, P = 3, 2, 5
+  # M like a run's transition (decay times mixing, spectral radius below 1); B and the states of a state's size.
+  m = rng.normal(size=(N, G, H, K, K)) * (0.9 / np.sqrt(K))
+  b = rng.normal(size=(N, G, H, V, K)) * 0.3
+  bm = np.concatenate([b, m], axis=3).reshape(N * G, H, V + K, K).astype(np.float32)
+  pool = jnp.asarray(rng.normal(size=(P, H, V, K)), pool_dtype)
+  slots, has = np.array([2, -1, 4], np.int32), np.array([1, 1, 0], np.int32)
+  pool = pool.at[jnp.array([0, 1, 3, 4])].set(jnp.nan)  # slot 4 belongs to a sequence without an initial state
+  interpret = kernel_impl == "interpret"
+  with interpret_mode(interpret):
+    meta = np.zeros((prefill_state.SEQ_META_ROWS, N), np.int32)
+    meta[prefill_state.SLOT_ROW], meta[prefill_state.INIT_ROW] = slots, has
+    out = jax.jit(functools.partial(prefill_combine.combine, G=G, interpret=interpret))(
+        jnp.asarray(bm), pool, jnp.asarray(meta))
+  assert out.shape == (N * G, H, V, K) and out.dtype == jnp.float32
+  out = np.asarray(out, np.float64)
+  bm64, pool64 = bm.astype(np.float64).reshape(N, G, H, V + K, K), np.asarray(pool, np.float64)
+  for n in range(N):
+    s = pool64[slots[n]] if slots[n] >= 0 and has[n] else np.zeros((H, V, K))
+    for j in range(G):
+      assert rel_rmse(out[n * G + j], s) < 5e-5 if s.any() else not out[n * G + j].any(), (n, j)
+      s = s @ bm64[n, j, :, V:] + bm64[n, j, :, :V]
 
 
 @pytest.mark.parametrize("lower_bound,state_dtype,in_dtype", [

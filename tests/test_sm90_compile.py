@@ -24,6 +24,7 @@ AOT = ROOT / ".aot"
 # (spill store bytes, spill load bytes) that ptxas may report per kernel; a kernel not listed may not spill.
 SPILL_BUDGET = {
     "kda_prefill_prep": (132, 136),  # the largest over the cases (T = 32768)
+    "kda_prefill_combine": (88, 88),
     "mla_decode_wide": (44, 68),
     "mla_decode_narrow_fp8": (8, 4),
     "mla_decode_wide_fp8": (12, 40),
@@ -34,7 +35,9 @@ EXPECTED = {
     "kda-prefill-8x1024-h96": (("kda_prefill_prep", "kda_prefill_state"), 4),
     "kda-prefill-8x1024-h96-ckpt4": (("kda_prefill_prep", "kda_prefill_state"), 7),
     "kda-prefill-8x1024-h96-bf16-state": (("kda_prefill_prep", "kda_prefill_state"), 4),
-    "kda-prefill-8192-h11": (("kda_prefill_prep", "kda_prefill_state"), 3),
+    # T = 8192 H = 11: the segmented state pass (prefill_state.choose_segments takes 6 runs).
+    "kda-prefill-8192-h11": (("kda_prefill_prep", "kda_prefill_transition", "kda_prefill_combine",
+                              "kda_prefill_state"), 4),
     "kda-prefill-8192-h96": (("kda_prefill_prep", "kda_prefill_state"), 3),
     "kda-prefill-32768-h32": (("kda_prefill_prep", "kda_prefill_state"), 3),
     "kda-decode-64-h96": (("kda_decode",), 0),

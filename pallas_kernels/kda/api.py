@@ -75,34 +75,37 @@ def _decode_xla(q, k, v, g_raw, beta_raw, A_log, dt_bias, state_pool, state_indi
       scale=config.scale)
 
 
-def default_tuning(*, num_seqs: int, num_heads: int, key_dim: int, value_dim: int, state_dtype) -> KdaTuning:
+def default_tuning(*, num_seqs: int, num_heads: int, key_dim: int, value_dim: int, state_dtype,
+                   num_tokens: int | None = None) -> KdaTuning:
   """The tuning the kernels use where ``KdaConfig.tuning`` (or a field of it) is None, for one call's shapes.
 
   Args:
     num_seqs: sequences ``N`` of the call (rows of ``q``); num_heads: ``H``; key_dim: ``K``; value_dim: ``V``.
     state_dtype: dtype of the state pool (f32 or bf16).
+    num_tokens: a prefill's tokens ``T`` (None for decode: no segments).
 
   Returns:
     A ``KdaTuning`` with every field set. ``decode_state_io``: small register blocks while a small batch of
     ``N * H`` heads is latency bound (more programs spread it over more SMs), bigger ones once it is
     bandwidth bound; "tma" where ``K`` does not fit the direct paths. ``prefill_v_blocks``: 2 once the
     one-block programs of the state pass are more than one wave of SMs (``prefill_state.choose_v_blocks``).
-    ``prefill_segments``: 1 (one pass; the segmented pass is opt-in until it is faster than one pass on more
-    than the few-head shapes measured in benchmarks/RESULTS.md, session 34).
+    ``prefill_segments``: enough runs per sequence to fill the SMs where one pass's programs leave most of them
+    idle and the sequences are long (``prefill_state.choose_segments``), else 1.
 
   Raises:
     ValueError: a size that is not an int (``num_seqs`` >= 0, the others >= 1) or a state dtype other than
       f32 / bf16.
   """
-  for name, size, least in (("num_seqs", num_seqs, 0), ("num_heads", num_heads, 1), ("key_dim", key_dim, 1),
-                            ("value_dim", value_dim, 1)):
+  sizes = (("num_seqs", num_seqs, 0), ("num_heads", num_heads, 1), ("key_dim", key_dim, 1), ("value_dim", value_dim, 1))
+  for name, size, least in sizes + ((("num_tokens", num_tokens, 0),) if num_tokens is not None else ()):
     if not isinstance(size, int) or isinstance(size, bool) or size < least:
       raise ValueError(f"{name} must be an int >= {least}, got {size!r}")
   state_dtype = util.canonical_dtype("state_dtype", state_dtype, (jnp.float32, jnp.bfloat16))
   return KdaTuning(decode_state_io=decode_kernel.choose_state_io(num_seqs * num_heads, key_dim, value_dim,
                                                                  state_dtype),
                    prefill_v_blocks=prefill_state.choose_v_blocks(num_seqs, num_heads, value_dim),
-                   prefill_segments=1)
+                   prefill_segments=1 if num_tokens is None else
+                   prefill_state.choose_segments(num_seqs, num_heads, value_dim, num_tokens))
 
 
 def _resolve_tuning(tuning: KdaTuning | None, default: KdaTuning) -> KdaTuning:
@@ -166,7 +169,8 @@ def kda_prefill(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta
   if config.impl == "xla":
     return _prefill_xla(*args, config=config)
   tuning = _resolve_tuning(config.tuning, default_tuning(num_seqs=state_indices.shape[0], num_heads=H,
-                                                         key_dim=K, value_dim=V, state_dtype=config.state_dtype))
+                                                         key_dim=K, value_dim=V, state_dtype=config.state_dtype,
+                                                         num_tokens=q.shape[0]))
   v_blocks = tuning.prefill_v_blocks
   if tuning.prefill_segments > 1 and (config.tuning is None or config.tuning.prefill_v_blocks is None):
     # The state pass runs N * segments sequences: the value-block rule counts those.

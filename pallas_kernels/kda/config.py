@@ -34,7 +34,8 @@ class KdaTuning:
       SMEM on 64-row blocks, any ``K % 8 == 0``).
     prefill_v_blocks: value blocks of 64 columns per program of the prefill's state pass (a warpgroup each),
       1 or 2. Two share one load of the chunk inputs that do not depend on V (fewer bytes per block, more
-      SMEM, half the programs); need ``V`` a multiple of 128.
+      SMEM, half the programs); need ``V`` a multiple of 128. With segments it sizes the second state pass;
+      the first takes ``prefill_state.choose_v_blocks`` over its ``V + K`` rows.
     prefill_segments: runs of whole chunks per sequence that the prefill's state pass carries in parallel
       (>= 1): with more than one, a first pass computes each run's state transition, a combine gives each run
       its starting state and a second pass writes ``o`` (README.md, "Segments").

@@ -5,8 +5,8 @@ Stage 1 (``prefill_prep``, chunk-parallel, grid = chunk slots × heads) turns th
 V-blocks × sequences × heads) runs the inter-chunk recurrence, writes ``o`` and reads/writes the state
 pool slots in place (the pool enters as a ``jax.new_ref``; donate it in the enclosing ``jax.jit`` to avoid
 a copy). Around the kernels there is only index arithmetic on ``[N]``/``[M]``-sized arrays and a padded f32
-copy of ``beta_raw``; no state is gathered or scattered outside the kernels, except with
-``KdaTuning.prefill_segments`` > 1 (``_segmented_state_pass``: README.md, "Segments").
+copy of ``beta_raw``; no state is gathered or scattered outside the kernels (also with
+``KdaTuning.prefill_segments`` > 1, ``_segmented_state_pass``: README.md, "Segments").
 
 The chunk slot table has a static size ``cdiv(T, 64) + N`` (every sequence adds at most one partial chunk);
 slots past the real chunks have length 0 and are skipped.
@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels import util
-from pallas_kernels.kda import prefill_prep, prefill_state
+from pallas_kernels.kda import prefill_combine, prefill_prep, prefill_state
 from pallas_kernels.kda.config import CHUNK_SIZE as C, KdaConfig
 from pallas_kernels.mosaic_interpret import interpret_mode
 
@@ -108,15 +108,15 @@ def _segmented_state_pass(work, seq_meta, state_pool, ckpt, *, T: int, G: int, o
   """The state pass with every sequence cut into ``G`` runs of whole chunks ("segments") that run in parallel.
 
   In the kernel's V-first frame a chunk maps the state ``Sᵀ`` to ``Sᵀ (diag(γ) + Wnᵀ Kg) + Uᵀ Kg``, so a
-  segment maps its first state to ``Sᵀ M + B``. The first pass runs every segment from a zero state with the
-  real U (its final state is B) and from the identity (K rows) with U = 0 (its final state is M); a combine runs
-  each sequence's segments in order from the sequence's initial state (f32, full precision); the second pass runs
-  the segments again from those states and writes ``o`` and the states into a temporary f32 pool, whose final
-  states and checkpoints then go into their pool slots, each rounded once to the pool dtype. A sequence shorter
-  than G chunks leaves some segments empty: their M is the identity and their B zero. A length-0 sequence follows
-  the kernel's rule (the zero state without an initial state; its slot untouched with one); -1 slots are written
-  nowhere. Args as ``prefill_state.state_pass`` (``seq_meta`` as its rows; ``ckpt``: the checkpoint indptr,
-  offsets and slots).
+  segment maps its first state to ``Sᵀ M + B``. The first pass (``prefill_state.transition_pass``) gives every
+  segment's B and M; the combine (``prefill_combine.combine``) runs each sequence's segments in order from the
+  sequence's initial state; the second pass runs the segments again from those states, writes ``o`` and, like
+  one pass, the checkpoints and (from each sequence's last segment) the final states into their pool slots in
+  place. Segment j of a sequence of ``nch`` chunks takes chunks ``[j nch // G, (j + 1) nch // G)``: the last one
+  holds a chunk whenever the sequence does, so its final-state rule is the one-pass rule (a length-0 sequence
+  writes the zero state without an initial state and leaves its slot untouched with one; -1 slots are written
+  nowhere). An empty segment has M = I and B = 0. Args as ``prefill_state.state_pass`` (``seq_meta`` as its
+  rows; ``ckpt``: the checkpoint indptr, offsets and slots).
   """
   qg, kg, neg_w, u, aqk, decay = work
   chunk_start, nch, t0, lens, slots, has_init = seq_meta
@@ -124,48 +124,27 @@ def _segmented_state_pass(work, seq_meta, state_pool, ckpt, *, T: int, G: int, o
   S, H, _, K = qg.shape
   V = u.shape[-1]
   NS = N * G
-  f32 = jnp.float32
-  # Segment (n, j): chunks [j L, min((j + 1) L, nch)) of sequence n, L = cdiv(nch, G).
-  L = (nch + G - 1) // G
-  first = jnp.arange(G, dtype=jnp.int32)[None, :] * L[:, None]
-  seg_meta = tuple(x.reshape(NS) for x in (chunk_start[:, None] + first, jnp.clip(nch[:, None] - first, 0, L[:, None]),
-                                            t0[:, None] + first * C,
-                                            jnp.clip(lens[:, None] - first * C, 0, L[:, None] * C)))
-  seg_meta += (jnp.arange(NS, dtype=jnp.int32),)
-
-  def state_pass(u_, pool, has_init_flag, ck):
-    ref = jax.new_ref(pool)
-    blocks = v_blocks if u_.shape[-1] % (prefill_state.BV * v_blocks) == 0 else 1
-    meta = jnp.stack([*seg_meta, jnp.full((NS,), has_init_flag, jnp.int32)])
-    o = prefill_state.state_pass(qg, kg, neg_w, u_, aqk, decay, ref, meta, ck, T=T, out_dtype=out_dtype,
-                                 v_blocks=blocks, interpret=interpret)
-    return o, ref[...]
-
-  no_ck = _checkpoint_table(jnp.zeros(NS + 1, jnp.int32), jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32),
-                            seg_meta[0], S)
-  _, b = state_pass(u, jnp.zeros((NS, H, V, K), f32), 0, no_ck)
-  _, m = state_pass(jnp.zeros((S, H, C, K), u.dtype), jnp.broadcast_to(jnp.eye(K, dtype=f32), (NS, H, K, K)), 1,
-                    no_ck)
-  P = state_pool.shape[0]
-  s = jnp.where(((slots >= 0) & (has_init != 0))[:, None, None, None],
-                state_pool[jnp.clip(slots, 0, P - 1)].astype(f32), 0.0)
-  b, m = b.reshape(N, G, H, V, K), m.reshape(N, G, H, K, K)
-  starts = []
-  for j in range(G):
-    starts.append(s)
-    s = jnp.einsum("nhvk,nhkl->nhvl", s, m[:, j], precision=lax.Precision.HIGHEST) + b[:, j]
-  indptr, offsets, ck_slots = ckpt
-  M = offsets.shape[0]
-  # Checkpoints land in the temporary pool after the segments' own slots.
-  ck = _checkpoint_table(indptr, offsets, jnp.where(ck_slots >= 0, NS + jnp.arange(M, dtype=jnp.int32), -1),
-                         chunk_start, S)
-  o, temp = state_pass(u, jnp.concatenate([jnp.stack(starts, axis=1).reshape(NS, H, V, K),
-                                           jnp.zeros((M, H, V, K), f32)]), 1, ck)
-  final = temp[:NS].reshape(N, G, H, V, K)[:, G - 1]
-  write_final = (slots >= 0) & ((nch > 0) | (has_init == 0))
-  dst = jnp.concatenate([jnp.where(write_final, slots, P), jnp.where(ck_slots >= 0, ck_slots, P)])
-  pool = state_pool.at[dst].set(jnp.concatenate([final, temp[NS:]]).astype(state_pool.dtype), mode="drop")
-  return o, pool
+  bounds = jnp.arange(G + 1, dtype=jnp.int32)[None, :] * nch[:, None] // G
+  first, count = bounds[:, :-1], bounds[:, 1:] - bounds[:, :-1]
+  last = jnp.arange(G, dtype=jnp.int32)[None, :] == G - 1
+  runs = tuple(x.reshape(NS) for x in (chunk_start[:, None] + first, count, t0[:, None] + first * C,
+                                        jnp.clip(lens[:, None] - first * C, 0, count * C)))
+  # Second pass: every segment starts from its row of ``starts`` (a length-0 sequence's last segment only with an
+  # initial state, as one pass decides); the last segment writes into the sequence's slot. The transition pass
+  # reads the same table (not its slot and initial-state rows): one table, one XLA kernel.
+  run_slots = jnp.where(last, slots[:, None], -1).reshape(NS)
+  run_init = jnp.where(~last | (nch[:, None] > 0), 1, has_init[:, None]).reshape(NS)
+  run_meta = jnp.stack([*runs, run_slots, run_init])
+  # The transition pass's value blocks follow the one-pass rule over its own V + K rows (``v_blocks``, the user's
+  # or that rule over V, sizes the second pass).
+  bm = prefill_state.transition_pass(qg, kg, neg_w, u, decay, run_meta,
+                                     v_blocks=prefill_state.choose_v_blocks(NS, H, V + K), interpret=interpret)
+  starts = prefill_combine.combine(bm, state_pool, seq_meta, G=G, interpret=interpret)
+  ck = _checkpoint_table(*ckpt, chunk_start, S)
+  pool_ref = jax.new_ref(state_pool)
+  o = prefill_state.state_pass(qg, kg, neg_w, u, aqk, decay, pool_ref, run_meta, ck, T=T, out_dtype=out_dtype,
+                               v_blocks=v_blocks, interpret=interpret, starts=starts)
+  return o, pool_ref[...]
 
 
 def kda_prefill_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_raw: jax.Array,

@@ -10,6 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -21,18 +22,31 @@ from pallas_kernels.kda.config import CHUNK_SIZE as C
 BV = 64  # V-block of one warpgroup
 NBUF = 2  # prefetch depth (stages of the chunk-input ring)
 SEQ_META_ROWS = 6  # rows of ``state_pass``'s per-sequence table
+SLOT_ROW, INIT_ROW = 4, 5  # its pool-slot and has-initial-state rows
 
 
-def _state_body(meta_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref,
-                qg_ref, kg_ref, neg_w_ref, u_ref, aqk_ref, decay_ref, pool_ref,
-                o_ref,
-                neg_w_b, kg_b, qg_b, u_b, aqk_b, decay_b, o_s, *rest, K: int, wgs: int, interpret: bool):
-  wg_bufs, (bars, consumed, pool_bar) = rest[:wgs], rest[wgs:]
+def _state_body(*refs, K: int, wgs: int, interpret: bool, real_rows: int | None, starts: bool):
+  (meta_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref), refs = refs[:4], refs[4:]
+  with_o = real_rows is None  # else the transition pass: no o, rows past real_rows start as the identity
+  start_ref = None
+  if with_o:
+    (qg_ref, kg_ref, neg_w_ref, u_ref, aqk_ref, decay_ref, pool_ref), refs = refs[:7], refs[7:]
+    if starts:
+      start_ref, refs = refs[0], refs[1:]
+    o_ref, (neg_w_b, kg_b, qg_b, u_b, aqk_b, decay_b, o_s), refs = refs[0], refs[1:8], refs[8:]
+  else:  # the pool is the output; no qg, aqk or o
+    (kg_ref, neg_w_ref, u_ref, decay_ref, pool_ref), (neg_w_b, kg_b, u_b, decay_b), refs = (
+        refs[:5], refs[5:9], refs[9:])
+    qg_ref = aqk_ref = qg_b = aqk_b = o_s = None
+  wg_bufs, (bars, consumed, pool_bar) = refs[:wgs], refs[wgs:]
   vg = lax.axis_index("v")
   h = lax.axis_index("h")
   n = lax.axis_index("n")
   cs, nch, t0, seq_len, slot, init = (meta_ref[r, n] for r in range(SEQ_META_ROWS))
-  has_init = (slot >= 0) & (init != 0)
+  if not with_o:  # the transition pass reads the second pass's table: it starts from zero, into its own row
+    slot, init = n, 0
+  # With starts, a sequence's initial state is its own row there, whatever its slot (where it only writes).
+  has_init = (init != 0) if starts else (slot >= 0) & (init != 0)
 
   def issue(i, st):
     """Warpgroup 0 loads chunk i's inputs into stage st: the V-independent ones once, U per warpgroup."""
@@ -40,17 +54,22 @@ def _state_body(meta_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref,
     bar = bars.at[st]
     plgpu.copy_gmem_to_smem(neg_w_ref.at[gc, h], neg_w_b.at[st], bar)
     plgpu.copy_gmem_to_smem(kg_ref.at[gc, h], kg_b.at[st], bar)
-    plgpu.copy_gmem_to_smem(qg_ref.at[gc, h], qg_b.at[st], bar)
-    plgpu.copy_gmem_to_smem(aqk_ref.at[gc, h], aqk_b.at[st], bar)
+    if with_o:
+      plgpu.copy_gmem_to_smem(qg_ref.at[gc, h], qg_b.at[st], bar)
+      plgpu.copy_gmem_to_smem(aqk_ref.at[gc, h], aqk_b.at[st], bar)
     plgpu.copy_gmem_to_smem(decay_ref.at[gc, h], decay_b.at[st], bar)
     for w in range(wgs):
-      plgpu.copy_gmem_to_smem(u_ref.at[gc, h, :, pl.ds((vg * wgs + w) * BV, BV)], u_b.at[st, w], bar)
+      col = (vg * wgs + w) * BV
+      if not with_o:  # an identity row block loads some U block it ignores (the stage's arrivals are fixed)
+        col = lax.rem(col, u_ref.shape[-1])
+      plgpu.copy_gmem_to_smem(u_ref.at[gc, h, :, pl.ds(col, BV)], u_b.at[st, w], bar)
 
   def warpgroup(w: int):
     """One V-block's recurrence. Its state stash, E stash and pool staging share one SMEM union: the staging
     is used before the first chunk, after a checkpoint chunk's matmuls and after the last chunk."""
     v0 = pl.multiple_of((vg * wgs + w) * BV, BV)
-    (st_s, e_s), stg = wg_bufs[w]
+    (st_s, e_s), stg, *start_stg = wg_bufs[w]
+    init_stg = start_stg[0] if starts else stg
     phases = util.Phases()  # named regions for the on-device profiler (util.compiler_params)
     phases.start("init")
     if w == 0:
@@ -59,12 +78,16 @@ def _state_body(meta_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref,
 
     @pl.when(has_init)
     def _():
-      plgpu.copy_gmem_to_smem(pool_ref.at[slot, h, pl.ds(v0, BV)], stg, pool_bar.at[w])
+      src = start_ref.at[n, h, pl.ds(v0, BV)] if starts else pool_ref.at[slot, h, pl.ds(v0, BV)]
+      plgpu.copy_gmem_to_smem(src, init_stg, pool_bar.at[w])
       plgpu.barrier_wait(pool_bar.at[w])
 
     # Uninitialised SMEM may hold NaN: select, never multiply by 0.
     init_rows = plgpu.broadcasted_iota(jnp.int32, (BV, K), 0, layout=WG) < jnp.where(has_init, BV, 0)
-    s0 = jnp.where(init_rows, plgpu.load(stg, layout=WG, optimized=False).astype(f32), 0.0)
+    s0 = jnp.where(init_rows, plgpu.load(init_stg, layout=WG, optimized=False).astype(f32), 0.0)
+    if not with_o:
+      rows = plgpu.broadcasted_iota(jnp.int32, (BV, K), 0, layout=WG) + (v0 - real_rows)
+      s0 = jnp.where(rows == plgpu.broadcasted_iota(jnp.int32, (BV, K), 1, layout=WG), 1.0, s0)
     plgpu.commit_smem()  # every warp has read the staging before the state stash (same memory) is written
 
     def write_state(s, dst):
@@ -85,26 +108,31 @@ def _state_body(meta_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref,
       st_s[...] = s.astype(bf16)
       plgpu.commit_smem()
 
-      def first(acc_e, acc_o):
+      def first(acc_e, *acc_o):
         plgpu.wgmma(acc_e, neg_w_b.at[st], st_s.T)
-        plgpu.wgmma(acc_o, qg_b.at[st], st_s.T)
-        return acc_e[...], acc_o[...]
+        for acc in acc_o:
+          plgpu.wgmma(acc, qg_b.at[st], st_s.T)
+        return tuple(acc[...] for acc in (acc_e, *acc_o))
 
       phases.start("e_o")
-      e, o = pl.run_scoped(first, plgpu.ACC((C, BV), f32), plgpu.ACC((C, BV), f32))
-      e = e + plgpu.load(u_b.at[st, w], layout=WG, optimized=False).astype(f32)
+      e, *o = pl.run_scoped(first, *(plgpu.ACC((C, BV), f32) for _ in range(1 + with_o)))
+      u = plgpu.load(u_b.at[st, w], layout=WG, optimized=False).astype(f32)
+      if not with_o:  # identity rows: U = 0 (a select: the U block they loaded may hold anything)
+        u = jnp.where(plgpu.broadcasted_iota(jnp.int32, (C, BV), 0, layout=WG) < real_rows - v0, u, 0.0)
+      e = e + u
       chunk_decay = plgpu.load(decay_b.at[st], layout=COLV, optimized=False)
       e_s[...] = e.astype(bf16)
       plgpu.commit_smem()
 
-      def second(acc_s, acc_o):
+      def second(acc_s, *acc_o):
         plgpu.wgmma(acc_s, e_s.T, kg_b.at[st])
-        plgpu.wgmma(acc_o, aqk_b.at[st], e_s)
+        for acc in acc_o:
+          plgpu.wgmma(acc, aqk_b.at[st], e_s)
 
       phases.start("state_o")
       # The new state and o accumulate onto the decayed state and the first o in place: a separate [BV, K]
       # product beside s would take 64 more registers a thread at the kernel's peak.
-      s, o = util.accumulate(second, s * bcast_cols(chunk_decay, (BV, K)), o, from_inits=not interpret)
+      s, *o = util.accumulate(second, s * bcast_cols(chunk_decay, (BV, K)), *o, from_inits=not interpret)
 
       # Every read of stage st by this warpgroup (wgmma and register loads) is complete; warpgroup 0 refills
       # it once all have said so (an arrival only when a refill follows: every phase is awaited).
@@ -115,21 +143,22 @@ def _state_body(meta_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref,
           plgpu.barrier_wait(consumed.at[st])
           issue(i + NBUF, st)
 
-      phases.start("o_store")
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      o_w = o_s.at[w]
-      o_w[...] = o.astype(o_s.dtype)
-      plgpu.commit_smem()
-      rows = jnp.minimum(seq_len - i * C, C)
-      start = 0
-      size = C
-      while size:
-        @pl.when((rows & size) != 0)
-        def _(start=start, size=size):
-          plgpu.copy_smem_to_gmem(o_w.at[pl.ds(start, size)],
-                                  o_ref.at[pl.ds(t0 + i * C + start, size), h, pl.ds(v0, BV)])
-        start = start + (rows & size)
-        size //= 2
+      if with_o:
+        phases.start("o_store")
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        o_w = o_s.at[w]
+        o_w[...] = o[0].astype(o_s.dtype)
+        plgpu.commit_smem()
+        rows = jnp.minimum(seq_len - i * C, C)
+        start = 0
+        size = C
+        while size:
+          @pl.when((rows & size) != 0)
+          def _(start=start, size=size):
+            plgpu.copy_smem_to_gmem(o_w.at[pl.ds(start, size)],
+                                    o_ref.at[pl.ds(t0 + i * C + start, size), h, pl.ds(v0, BV)])
+          start = start + (rows & size)
+          size //= 2
 
       phases.start("checkpoints")
 
@@ -166,9 +195,28 @@ def choose_v_blocks(num_seqs: int, num_heads: int, vdim: int) -> int:
   return 2 if blocks % 2 == 0 and blocks * num_heads * num_seqs > util.NUM_SMS else 1
 
 
+# The segments heuristic's smallest number of runs (two runs do twice the one pass's state work on twice its
+# programs: no gain) and the fewest chunks a run keeps on average (shorter runs leave the first and second passes
+# to their fixed costs).
+MIN_SEGMENTS = 3
+MIN_CHUNKS_PER_SEGMENT = 8
+
+
+def choose_segments(num_seqs: int, num_heads: int, vdim: int, num_tokens: int) -> int:
+  """The default ``segments``: as many runs per sequence as fill the SMs once with one-block programs
+  (``NUM_SMS // (V / BV · H · N)``), where that is at least ``MIN_SEGMENTS`` and the runs keep at least
+  ``MIN_CHUNKS_PER_SEGMENT`` chunks on average (``T / (64 N)`` chunks a sequence); otherwise 1 (one pass)."""
+  programs = vdim // BV * num_heads * num_seqs
+  if programs == 0:
+    return 1
+  segments = min(util.NUM_SMS // programs, num_tokens // (C * num_seqs * MIN_CHUNKS_PER_SEGMENT))
+  return segments if segments >= MIN_SEGMENTS else 1
+
+
 def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk: jax.Array,
                chunk_decay: jax.Array, pool_ref, seq_meta: jax.Array, ck_meta: tuple[jax.Array, ...],
-               *, T: int, out_dtype, v_blocks: int, interpret: bool = False) -> jax.Array:
+               *, T: int, out_dtype, v_blocks: int, interpret: bool = False,
+               starts: jax.Array | None = None) -> jax.Array:
   """Stage 2. Writes final states / checkpoints into ``pool_ref`` (a ``jax.new_ref`` of the pool) in place.
 
   Args:
@@ -182,36 +230,81 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
       sharing the V-independent chunk inputs), 1 or 2 (``KdaTuning.prefill_v_blocks``); divides ``V / BV``.
     interpret: the variant for interpret mode, whose accumulators cannot start from registers
       (``util.accumulate``).
+    starts: ``[N, H, V, K]`` f32 or None: the sequences' initial states at their own index (read where
+      has-initial-state is 1, whatever the slot), instead of from their pool slots (the segmented pass's second
+      pass, whose runs write into slots they do not start from).
 
   Returns:
     ``o [T, H, V]`` in ``out_dtype``.
   """
   _, H, _, K = qg.shape
   V = u.shape[-1]
+  inputs = (qg, kg, neg_w, u, aqk, chunk_decay, pool_ref) + (() if starts is None else (starts,))
+  return _call(inputs, seq_meta, ck_meta, H=H, K=K, rows=V,
+               v_blocks=v_blocks, out_type=jax.ShapeDtypeStruct((T, H, V), out_dtype), pool_dtype=pool_ref.dtype,
+               interpret=interpret, real_rows=None, starts=starts is not None)
+
+
+def transition_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, chunk_decay: jax.Array,
+                    seq_meta: jax.Array, *, v_blocks: int, interpret: bool = False) -> jax.Array:
+  """The segmented pass's first pass (``prefill_kernel._segmented_state_pass``): the state pass over runs of
+  chunks from a zero state, without ``o``, over ``V + K`` rows: the first ``V`` carried with U as usual and the
+  last ``K`` starting as the identity with U = 0, which end as the run's transition matrix.
+
+  Args: as ``state_pass``; ``seq_meta``'s slot and has-initial-state rows are not read (every run starts from
+  zero and ends in its own row of the output).
+
+  Returns:
+    ``[N, H, V + K, K]`` f32: every run's final rows (all written).
+  """
+  _, H, _, K = qg.shape
+  V = u.shape[-1]
+  N = seq_meta.shape[1]
+  if V % BV:
+    raise ValueError(f"transition_pass needs V a multiple of {BV}, got {V}")
+  # No checkpoints: every chunk slot's range is empty (constants: no XLA kernels compute them).
+  S = qg.shape[0]
+  no_ck = (jnp.asarray(np.zeros(S, np.int32)),) * 2 + (jnp.asarray(np.full(1, -1, np.int32)),)
+  return _call((kg, neg_w, u, chunk_decay), seq_meta, no_ck, H=H, K=K, rows=V + K, v_blocks=v_blocks,
+               out_type=jax.ShapeDtypeStruct((N, H, V + K, K), f32), pool_dtype=f32, interpret=interpret,
+               real_rows=V, starts=False)
+
+
+def _call(inputs, seq_meta, ck_meta, *, H: int, K: int, rows: int, v_blocks: int, out_type, pool_dtype,
+          interpret: bool, real_rows: int | None, starts: bool):
+  """One ``plgpu.kernel`` of ``_state_body`` over ``inputs`` (``_state_body``'s order for the mode: the pool ref,
+  updated in place, then the starts if any, with ``o`` the output; or, for the transition pass, no pool and the
+  output its pool)."""
   if seq_meta.shape[0] != SEQ_META_ROWS:
     raise ValueError(f"seq_meta must have {SEQ_META_ROWS} rows, got shape {seq_meta.shape}")
   N = seq_meta.shape[1]
   wgs = v_blocks
-  if wgs not in (1, 2) or (V // BV) % wgs:
-    raise ValueError(f"v_blocks must be 1 or 2 and divide V / {BV} = {V // BV}, got {v_blocks}")
-  # Per warpgroup one union: the bf16 state and E stashes of a chunk, or the pool-dtype staging of a state.
-  wg_buf = lambda: plgpu.RefUnion((tiled((BV, K)), tiled((C, BV))), plgpu.SMEM((BV, K), pool_ref.dtype))
+  if wgs not in (1, 2) or (rows // BV) % wgs:
+    raise ValueError(f"v_blocks must be 1 or 2 and divide {rows} / {BV} rows, got {v_blocks}")
+  transition = real_rows is not None
+  # Per warpgroup one union: the bf16 state and E stashes of a chunk, or the pool-dtype staging of a state (or
+  # the f32 staging of a start).
+  wg_buf = lambda: plgpu.RefUnion((tiled((BV, K)), tiled((C, BV))), plgpu.SMEM((BV, K), pool_dtype),
+                                  *([plgpu.SMEM((BV, K), f32)] if starts else []))
+  ring = [tiled((NBUF, C, K)), tiled((NBUF, C, K)), tiled((NBUF, C, K)), plgpu.SMEM((NBUF, wgs, C, BV), bf16),
+          tiled((NBUF, C, C)), plgpu.SMEM((NBUF, K), f32), plgpu.SMEM((wgs, C, BV), out_type.dtype)]
+  if transition:
+    ring = [ring[0], ring[1], ring[3], ring[5]]  # neg_w, kg, U, decay
   scratch = [
-      tiled((NBUF, C, K)), tiled((NBUF, C, K)), tiled((NBUF, C, K)),
-      plgpu.SMEM((NBUF, wgs, C, BV), bf16), tiled((NBUF, C, C)), plgpu.SMEM((NBUF, K), f32),
-      plgpu.SMEM((wgs, C, BV), out_dtype), *(wg_buf() for _ in range(wgs)),
-      plgpu.Barrier(num_arrivals=5 + wgs, num_barriers=NBUF), plgpu.Barrier(num_arrivals=wgs, num_barriers=NBUF),
+      *ring, *(wg_buf() for _ in range(wgs)),
+      plgpu.Barrier(num_arrivals=(3 if transition else 5) + wgs, num_barriers=NBUF),
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=NBUF),
       plgpu.Barrier(num_arrivals=1, num_barriers=wgs),
   ]
   # No warpgroup barrier around every SMEM store (Pallas's default, two per store, three stores per chunk):
   # each stash is stored after a commit_smem or a TMA store wait (both end in a warpgroup barrier) that follows
   # every warp's last read of it, and read only after the commit_smem that follows the store.
   return plgpu.kernel(
-      functools.partial(_state_body, K=K, wgs=wgs, interpret=interpret),
-      out_type=jax.ShapeDtypeStruct((T, H, V), out_dtype),
+      functools.partial(_state_body, K=K, wgs=wgs, interpret=interpret, real_rows=real_rows, starts=starts),
+      out_type=out_type,
       # Heads fastest: the first programs are the first sequence's heads, which begin with the chunks the prep
       # wrote last (see prefill_prep), still in the L2.
-      grid=(V // (BV * wgs), N, H), grid_names=("v", "n", "h"), num_threads=wgs, thread_name="wg",
-      kernel_name="kda_prefill_state",
+      grid=(rows // (BV * wgs), N, H), grid_names=("v", "n", "h"), num_threads=wgs, thread_name="wg",
+      kernel_name="kda_prefill_transition" if transition else "kda_prefill_state",
       scratch_types=scratch, compiler_params=util.compiler_params(unsafe_no_auto_barriers=True),
-  )(seq_meta, *ck_meta, qg, kg, neg_w, u, aqk, chunk_decay, pool_ref)
+  )(seq_meta, *ck_meta, *inputs)
