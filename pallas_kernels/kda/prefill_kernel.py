@@ -16,7 +16,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from pallas_kernels import util
@@ -50,11 +49,8 @@ def _chunk_table(cu_seqlens: jax.Array, num_slots: int):
 def _checkpoint_table(indptr, offsets, slots, chunk_start, num_slots: int):
   """Checkpoints sorted by the chunk slot after which they are taken, and each slot's range in that list."""
   M = offsets.shape[0]
-  if M == 0:
-    # No checkpoints (a static shape): empty ranges as constants, which XLA embeds in the executable; computed
-    # as arrays they would be kernels of their own on every call. The list holds one unread -1.
-    empty = jnp.asarray(np.zeros(num_slots, np.int32))
-    return empty, empty, jnp.asarray(np.full(1, -1, np.int32))
+  if M == 0:  # a static shape
+    return prefill_state.no_checkpoints(num_slots)
   seq = _search(indptr, jnp.arange(M, dtype=jnp.int32), "right") - 1
   chunk = (chunk_start[seq] + offsets // C - 1).astype(jnp.int32)
   # One stable sort of both arrays by chunk (argsort and a gather would be two kernels).

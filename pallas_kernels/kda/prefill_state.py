@@ -213,6 +213,13 @@ def choose_segments(num_seqs: int, num_heads: int, vdim: int, num_tokens: int) -
   return segments if segments >= MIN_SEGMENTS else 1
 
 
+def no_checkpoints(num_slots: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The ``ck_meta`` of a pass without checkpoints: every chunk slot's range empty, the list one unread -1. As
+  constants, which XLA embeds in the executable: computed as arrays they would be kernels of their own."""
+  empty = jnp.asarray(np.zeros(num_slots, np.int32))
+  return empty, empty, jnp.asarray(np.full(1, -1, np.int32))
+
+
 def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk: jax.Array,
                chunk_decay: jax.Array, pool_ref, seq_meta: jax.Array, ck_meta: tuple[jax.Array, ...],
                *, T: int, out_dtype, v_blocks: int, interpret: bool = False,
@@ -262,10 +269,7 @@ def transition_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array
   N = seq_meta.shape[1]
   if V % BV:
     raise ValueError(f"transition_pass needs V a multiple of {BV}, got {V}")
-  # No checkpoints: every chunk slot's range is empty (constants: no XLA kernels compute them).
-  S = qg.shape[0]
-  no_ck = (jnp.asarray(np.zeros(S, np.int32)),) * 2 + (jnp.asarray(np.full(1, -1, np.int32)),)
-  return _call((kg, neg_w, u, chunk_decay), seq_meta, no_ck, H=H, K=K, rows=V + K, v_blocks=v_blocks,
+  return _call((kg, neg_w, u, chunk_decay), seq_meta, no_checkpoints(qg.shape[0]), H=H, K=K, rows=V + K, v_blocks=v_blocks,
                out_type=jax.ShapeDtypeStruct((N, H, V + K, K), f32), pool_dtype=f32, interpret=interpret,
                real_rows=V, starts=False)
 
