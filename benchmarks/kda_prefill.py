@@ -304,13 +304,11 @@ def profile(lens, H: int, iters: int = 10) -> dict:
   call's overhead from ``paired_overheads``)."""
   from pallas_kernels.kda import prefill_kernel, prefill_state
 
-  x, prep, pargs, (chunk_start, nch, seq_lens, _, _) = prep_setup(lens, H)
+  x, prep, pargs, (chunk_start, nch, _, _, _) = prep_setup(lens, H)
   T, N = int(sum(lens)), len(lens)
-  num_slots = -(-T // C) + N
   cu = jnp.asarray(x["cu"])
   prep_one, = prep_executables(1)  # a second jitted prep, traced with padded SMEM (below)
   work = prep(*pargs)
-  seq_meta = jnp.stack([chunk_start, nch, cu[:-1], seq_lens, jnp.arange(N, dtype=jnp.int32), jnp.ones(N, jnp.int32)])
 
   default_v_blocks = kda.default_tuning(num_seqs=N, num_heads=H, key_dim=K, value_dim=V,
                                         state_dtype=jnp.float32).prefill_v_blocks
@@ -318,7 +316,9 @@ def profile(lens, H: int, iters: int = 10) -> dict:
   def state_runner(per_seq_ckpt: int, v_blocks: int = default_v_blocks):
     ind, off, slots = (jnp.asarray(a) for a in checkpoints(lens, per_seq_ckpt)) if per_seq_ckpt else (
         jnp.zeros(N + 1, jnp.int32), jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32))
-    ck = prefill_kernel._checkpoint_table(ind, off, slots, chunk_start, num_slots)
+    seq_meta = prefill_kernel.sequence_table(cu, chunk_start, nch, jnp.arange(N, dtype=jnp.int32), jnp.ones(N, bool),
+                                             ind)
+    ck = prefill_state.checkpoint_lists(off, slots)
     pool = jnp.zeros((N + off.shape[0], H, V, K), jnp.float32).at[:N].set(x["h0"])
 
     @jax.jit

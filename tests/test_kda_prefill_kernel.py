@@ -31,10 +31,11 @@ POISON = 1e30
 
 
 def _problem(seed: int, lens, H: int, K: int, V: int, *, saturated: bool, state_dtype, lower_bound,
-             ck_step: int | None = None):
+             ck_step: int | None = None, shuffled: bool = False):
   """Realistic raw inputs (``kda_inputs`` with ``g_raw`` of std 2, the model's gate parameters); ``saturated``
   shifts ``g_raw`` by 3, pushing the gate to its extreme (lb per token, or a softplus decay of tens per token).
-  ``ck_step``: tokens between checkpoints (default: a multiple of 64 that gives each sequence about three)."""
+  ``ck_step``: tokens between checkpoints (default: a multiple of 64 that gives each sequence about three).
+  ``shuffled``: each sequence's checkpoints in a random order, one of them twice (to another slot)."""
   rng = np.random.default_rng(seed)
   T = int(sum(lens))
   x = kda_inputs(rng, (T,), H, K, V, g_scale=2.0, g_shift=3.0 if saturated else 0.0)
@@ -52,7 +53,10 @@ def _problem(seed: int, lens, H: int, K: int, V: int, *, saturated: bool, state_
   offsets, ck_slots, indptr = [], [], [0]
   nxt = N + 1
   for n in range(N):
-    for off in range(64, lens[n] + 1, ck_step or 64 * max(1, lens[n] // 192)):
+    seq_offsets = list(range(64, lens[n] + 1, ck_step or 64 * max(1, lens[n] // 192)))
+    if shuffled and seq_offsets:
+      seq_offsets = [int(o) for o in rng.permutation(seq_offsets)] + [int(rng.choice(seq_offsets))]
+    for off in seq_offsets:
       offsets.append(off)
       ck_slots.append(nxt)
       nxt += 1
@@ -139,6 +143,21 @@ def test_segmented_state_pass_matches_oracle_and_xla(kernel_impl, sizes, segment
   _check_against_oracle_and_xla(kernel_impl, 1, sizes, kda.KdaTuning(prefill_segments=segments,
                                                                      prefill_v_blocks=v_blocks),
                                 lower_bound, state_dtype, saturated)
+
+
+# A checkpoint after every chunk, each sequence's list in a random order with one offset twice (to two slots), and
+# runs that split the sequences (segments 3): the state pass walks a sorted list and scans an unsorted one.
+SHUFFLED = dict(lens=(200, 0, 70, 1, 330), H=1, K=64, V=64, ck_step=64, shuffled=True)
+
+
+@pytest.mark.parametrize("segments", [1, 3])
+def test_checkpoints_in_any_order(kernel_impl, segments):
+  _, _, arrays, _ = _problem(2, saturated=False, state_dtype=jnp.float32, lower_bound=-5.0, **SHUFFLED)
+  ind, off = arrays["checkpoint_indptr"], arrays["checkpoint_offsets"]
+  runs = [off[a:b] for a, b in zip(ind[:-1], ind[1:])]
+  assert any((np.diff(r) < 0).any() for r in runs) and any(len(set(r)) < len(r) for r in runs)
+  _check_against_oracle_and_xla(kernel_impl, 2, SHUFFLED, kda.KdaTuning(prefill_segments=segments), -5.0,
+                                jnp.float32, False)
 
 
 @pytest.mark.parametrize("segments", [None, 2])

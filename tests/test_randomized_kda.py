@@ -58,13 +58,16 @@ SEGMENTS = st.sampled_from([None, 1, 2, 3])
 
 @st.composite
 def prefill_batches(draw):
-  """A varlen batch: lengths, slots (distinct, some -1), initial-state flags and checkpoints."""
+  """A varlen batch: lengths, slots (distinct, some -1), initial-state flags and checkpoints (in any order within
+  a sequence)."""
   lens = draw(st.lists(st.sampled_from(LENGTHS), min_size=1, max_size=3))
   N = len(lens)
   has = draw(st.lists(st.booleans(), min_size=N, max_size=N))
   no_slot = draw(st.lists(st.booleans(), min_size=N, max_size=N).map(lambda b: [x and not h for x, h in
                                                                                zip(b, has)]))
   ckpts = [(n, off) for n, L in enumerate(lens) for off in range(C, L + 1, C) if draw(st.booleans())]
+  # Each sequence's checkpoints in any order (a stable sort by sequence of a permutation keeps them grouped).
+  ckpts = sorted(draw(st.permutations(ckpts)), key=lambda c: c[0])
   ck_minus_one = draw(st.lists(st.booleans(), min_size=len(ckpts), max_size=len(ckpts)))
   return lens, has, no_slot, ckpts, ck_minus_one
 

@@ -46,18 +46,14 @@ def _chunk_table(cu_seqlens: jax.Array, num_slots: int):
   return starts.astype(jnp.int32), nch.astype(jnp.int32), lens, jnp.where(in_range, tok, 0), rows
 
 
-def _checkpoint_table(indptr, offsets, slots, chunk_start, num_slots: int):
-  """Checkpoints sorted by the chunk slot after which they are taken, and each slot's range in that list."""
-  M = offsets.shape[0]
-  if M == 0:  # a static shape
-    return prefill_state.no_checkpoints(num_slots)
-  seq = _search(indptr, jnp.arange(M, dtype=jnp.int32), "right") - 1
-  chunk = (chunk_start[seq] + offsets // C - 1).astype(jnp.int32)
-  # One stable sort of both arrays by chunk (argsort and a gather would be two kernels).
-  sorted_chunk, sorted_slot = lax.sort((chunk, slots.astype(jnp.int32)), num_keys=1, is_stable=True)
-  ids = jnp.arange(num_slots, dtype=jnp.int32)
-  lo, hi = _search(sorted_chunk, ids, "left"), _search(sorted_chunk, ids, "right")
-  return lo, hi, sorted_slot
+def sequence_table(cu_seqlens: jax.Array, chunk_start: jax.Array, nch: jax.Array, state_indices: jax.Array,
+                   has_initial_state: jax.Array, checkpoint_indptr: jax.Array) -> jax.Array:
+  """``prefill_state.state_pass``'s ``[SEQ_META_ROWS, N]`` per-sequence table of one pass (each sequence one run
+  from its chunk 0). One stack, so that XLA builds it in one kernel."""
+  i32 = lambda x: x.astype(jnp.int32)
+  return jnp.stack([chunk_start, nch, i32(cu_seqlens[:-1]), i32(cu_seqlens[1:] - cu_seqlens[:-1]),
+                    i32(state_indices), i32(has_initial_state), i32(checkpoint_indptr[:-1]),
+                    i32(checkpoint_indptr[1:]), jnp.zeros_like(nch)])
 
 
 def _check_supported(K: int, V: int, v_blocks: int) -> None:
@@ -80,26 +76,24 @@ def _prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, cu_seqlens, state_pool, s
   if q.dtype.itemsize > 2:
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
   num_slots = util.cdiv(T, C) + N
-  chunk_start, nch, lens, tok, rows = _chunk_table(cu_seqlens, num_slots)
+  chunk_start, nch, _, tok, rows = _chunk_table(cu_seqlens, num_slots)
   beta_p = jnp.pad(beta_raw.astype(jnp.float32), ((0, C), (0, 0)))  # one fusion (a transpose is kernels of its own)
   with interpret_mode(interpret):
     work = prefill_prep.prep(q, k, v, g_raw, beta_p, A_log, dt_bias, tok, rows, scale=scale,
                              lower_bound=config.lower_bound, smem_operands=interpret)
-    # One [6, N] table (prefill_state.SEQ_META_ROWS): XLA builds it in one kernel.
-    seq_meta = jnp.stack([chunk_start, nch, cu_seqlens[:-1].astype(jnp.int32), lens.astype(jnp.int32),
-                          state_indices, has_initial_state.astype(jnp.int32)])
+    seq_meta = sequence_table(cu_seqlens, chunk_start, nch, state_indices, has_initial_state, checkpoint_indptr)
+    # The state pass reads the caller's checkpoint lists as they are: no table per chunk, no sort.
+    ck = prefill_state.checkpoint_lists(checkpoint_offsets, checkpoint_slots)
     if segments > 1:
-      return _segmented_state_pass(work, seq_meta, state_pool,
-                                   (checkpoint_indptr, checkpoint_offsets, checkpoint_slots), T=T, G=segments,
-                                   out_dtype=q.dtype, v_blocks=v_blocks, interpret=interpret)
-    ck = _checkpoint_table(checkpoint_indptr, checkpoint_offsets, checkpoint_slots, chunk_start, num_slots)
+      return _segmented_state_pass(work, seq_meta, state_pool, ck, T=T, G=segments, out_dtype=q.dtype,
+                                   v_blocks=v_blocks, interpret=interpret)
     pool_ref = jax.new_ref(state_pool)
     o = prefill_state.state_pass(*work, pool_ref, seq_meta, ck, T=T, out_dtype=q.dtype, v_blocks=v_blocks,
                                  interpret=interpret)
   return o, pool_ref[...]
 
 
-def _segmented_state_pass(work, seq_meta, state_pool, ckpt, *, T: int, G: int, out_dtype, v_blocks: int,
+def _segmented_state_pass(work, seq_meta, state_pool, ck, *, T: int, G: int, out_dtype, v_blocks: int,
                           interpret: bool) -> tuple[jax.Array, jax.Array]:
   """The state pass with every sequence cut into ``G`` runs of whole chunks ("segments") that run in parallel.
 
@@ -111,13 +105,13 @@ def _segmented_state_pass(work, seq_meta, state_pool, ckpt, *, T: int, G: int, o
   place. Segment j of a sequence of ``nch`` chunks takes chunks ``[j nch // G, (j + 1) nch // G)``: the last one
   holds a chunk whenever the sequence does, so its final-state rule is the one-pass rule (a length-0 sequence
   writes the zero state without an initial state and leaves its slot untouched with one; -1 slots are written
-  nowhere). An empty segment has M = I and B = 0. Args as ``prefill_state.state_pass`` (``seq_meta`` as its
-  rows; ``ckpt``: the checkpoint indptr, offsets and slots).
+  nowhere). An empty segment has M = I and B = 0. A segment reads its sequence's checkpoints and writes those
+  after its own chunks. Args as ``prefill_state.state_pass`` (``seq_meta`` one pass's ``sequence_table``).
   """
   qg, kg, neg_w, u, aqk, decay = work
-  chunk_start, nch, t0, lens, slots, has_init = seq_meta
+  chunk_start, nch, t0, lens, slots, has_init, ck_lo, ck_hi, _ = seq_meta
   N = nch.shape[0]
-  S, H, _, K = qg.shape
+  _, H, _, K = qg.shape
   V = u.shape[-1]
   NS = N * G
   bounds = jnp.arange(G + 1, dtype=jnp.int32)[None, :] * nch[:, None] // G
@@ -127,16 +121,16 @@ def _segmented_state_pass(work, seq_meta, state_pool, ckpt, *, T: int, G: int, o
                                         jnp.clip(lens[:, None] - first * C, 0, count * C)))
   # Second pass: every segment starts from its row of ``starts`` (a length-0 sequence's last segment only with an
   # initial state, as one pass decides); the last segment writes into the sequence's slot. The transition pass
-  # reads the same table (not its slot and initial-state rows): one table, one XLA kernel.
+  # reads the same table (not its slot, initial-state and checkpoint rows): one table, one XLA kernel.
   run_slots = jnp.where(last, slots[:, None], -1).reshape(NS)
   run_init = jnp.where(~last | (nch[:, None] > 0), 1, has_init[:, None]).reshape(NS)
-  run_meta = jnp.stack([*runs, run_slots, run_init])
+  per_run = lambda x: jnp.broadcast_to(x[:, None], (N, G)).reshape(NS)
+  run_meta = jnp.stack([*runs, run_slots, run_init, per_run(ck_lo), per_run(ck_hi), first.reshape(NS)])
   # The transition pass's value blocks follow the one-pass rule over its own V + K rows (``v_blocks``, the user's
   # or that rule over V, sizes the second pass).
   bm = prefill_state.transition_pass(qg, kg, neg_w, u, decay, run_meta,
                                      v_blocks=prefill_state.choose_v_blocks(NS, H, V + K), interpret=interpret)
   starts = prefill_combine.combine(bm, state_pool, seq_meta, G=G, interpret=interpret)
-  ck = _checkpoint_table(*ckpt, chunk_start, S)
   pool_ref = jax.new_ref(state_pool)
   o = prefill_state.state_pass(qg, kg, neg_w, u, aqk, decay, pool_ref, run_meta, ck, T=T, out_dtype=out_dtype,
                                v_blocks=v_blocks, interpret=interpret, starts=starts)

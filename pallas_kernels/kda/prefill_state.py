@@ -21,12 +21,13 @@ from pallas_kernels.kda.config import CHUNK_SIZE as C
 
 BV = 64  # V-block of one warpgroup
 NBUF = 2  # prefetch depth (stages of the chunk-input ring)
-SEQ_META_ROWS = 6  # rows of ``state_pass``'s per-sequence table
+SEQ_META_ROWS = 9  # rows of ``state_pass``'s per-sequence table
 SLOT_ROW, INIT_ROW = 4, 5  # its pool-slot and has-initial-state rows
+NO_CHECKPOINT = 2 ** 31 - 1  # "no further checkpoint": past every chunk count
 
 
 def _state_body(*refs, K: int, wgs: int, interpret: bool, real_rows: int | None, starts: bool):
-  (meta_ref, ck_lo_ref, ck_hi_ref, ck_slot_ref), refs = refs[:4], refs[4:]
+  (meta_ref, ck_off_ref, ck_slot_ref), refs = refs[:3], refs[3:]
   with_o = real_rows is None  # else the transition pass: no o, rows past real_rows start as the identity
   start_ref = None
   if with_o:
@@ -42,7 +43,7 @@ def _state_body(*refs, K: int, wgs: int, interpret: bool, real_rows: int | None,
   vg = lax.axis_index("v")
   h = lax.axis_index("h")
   n = lax.axis_index("n")
-  cs, nch, t0, seq_len, slot, init = (meta_ref[r, n] for r in range(SEQ_META_ROWS))
+  cs, nch, t0, seq_len, slot, init, ck_lo, ck_hi, run_chunk = (meta_ref[r, n] for r in range(SEQ_META_ROWS))
   if not with_o:  # the transition pass reads the second pass's table: it starts from zero, into its own row
     slot, init = n, 0
   # With starts, a sequence's initial state is its own row there, whatever its slot (where it only writes).
@@ -76,6 +77,22 @@ def _state_body(*refs, K: int, wgs: int, interpret: bool, real_rows: int | None,
       for j in range(NBUF):
         pl.when(nch > j)(functools.partial(issue, j, j))
 
+    if with_o:
+      # The sequence's checkpoints, in the caller's order: whether they are sorted by offset, the position of the
+      # first past this run's start (where sorted) and the least chunk count past it. One pass over the list per
+      # program; afterwards a chunk costs one comparison with that count.
+      def survey(m, c):
+        ordered, before, nxt, prev = c
+        count = ck_off_ref[m] // C
+        return (jnp.where(count >= prev, ordered, 0), before + (count <= run_chunk).astype(jnp.int32),
+                jnp.where((count > run_chunk) & (count < nxt), count, nxt), count)
+
+      ordered, before, nxt, _ = lax.fori_loop(ck_lo, ck_hi, survey,
+                                              (jnp.int32(1), jnp.int32(0), jnp.int32(NO_CHECKPOINT), jnp.int32(0)))
+      ck0 = (ck_lo + before, nxt)
+    else:
+      ck0 = ()
+
     @pl.when(has_init)
     def _():
       src = start_ref.at[n, h, pl.ds(v0, BV)] if starts else pool_ref.at[slot, h, pl.ds(v0, BV)]
@@ -98,11 +115,36 @@ def _state_body(*refs, K: int, wgs: int, interpret: bool, real_rows: int | None,
       plgpu.copy_smem_to_gmem(stg, pool_ref.at[dst, h, pl.ds(v0, BV)])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    def step(i, s):
+    def checkpoints(s, done, ck):
+      """Writes ``s`` (the state after ``done`` chunks of the sequence) into the slots of the checkpoints at
+      ``done`` chunks, if ``ck`` (the list position and the next checkpoint's chunk count) says there are any;
+      returns ``ck`` for the next chunk. A sorted list is walked from the position; an unsorted one scanned whole,
+      its next checkpoint the least count past ``done``."""
+      def write(ck):
+        pos, _ = ck
+        first = jnp.where(ordered != 0, pos, ck_lo)
+
+        def more(c):
+          m, _ = c
+          # Sorted: only while the position's count is done (clamped: a read at ck_hi would be out of range).
+          return (m < ck_hi) & ((ordered == 0) | (ck_off_ref[jnp.minimum(m, ck_hi - 1)] // C == done))
+
+        def one(c):
+          m, nxt = c
+          count, dst = ck_off_ref[m] // C, ck_slot_ref[m]
+          pl.when((count == done) & (dst >= 0))(lambda: write_state(s, dst))
+          return m + 1, jnp.where((count > done) & (count < nxt), count, nxt)
+
+        m, nxt = lax.while_loop(more, one, (first, jnp.int32(NO_CHECKPOINT)))
+        # Sorted: the walk stopped at the next checkpoint (or the list's end).
+        after = jnp.where(m < ck_hi, ck_off_ref[jnp.minimum(m, ck_hi - 1)] // C, NO_CHECKPOINT)
+        return jnp.where(ordered != 0, m, pos), jnp.where(ordered != 0, after, nxt)
+
+      return lax.cond(ck[1] == done, write, lambda ck: ck, ck)
+
+    def step(i, carry):
+      s, *ck = carry
       st = lax.rem(i, NBUF)
-      gc = cs + i
-      # The checkpoint range is read now so that its global loads' latency hides behind the chunk's products.
-      ck_lo, ck_hi = ck_lo_ref[gc], ck_hi_ref[gc]
       phases.start("inputs")
       plgpu.barrier_wait(bars.at[st])
       st_s[...] = s.astype(bf16)
@@ -160,19 +202,13 @@ def _state_body(*refs, K: int, wgs: int, interpret: bool, real_rows: int | None,
           start = start + (rows & size)
           size //= 2
 
-      phases.start("checkpoints")
-
-      def checkpoint(m, carry):
-        dst = ck_slot_ref[m]
-        pl.when(dst >= 0)(lambda: write_state(s, dst))
-        return carry
-
-      lax.fori_loop(ck_lo, ck_hi, checkpoint, 0)
+        phases.start("checkpoints")
+        ck = checkpoints(s, run_chunk + i + 1, tuple(ck))
       phases.end()
-      return s
+      return s, *ck
 
     phases.end()
-    s = lax.fori_loop(0, nch, step, s0)
+    s, *_ = lax.fori_loop(0, nch, step, (s0, *ck0))
     phases.start("final")
     # A sequence without chunks ends in its initial state: a slot read as its own initial state is left as it
     # is (bitwise), any other gets the zero state. Writing it here, from the program that owns the sequence,
@@ -213,11 +249,13 @@ def choose_segments(num_seqs: int, num_heads: int, vdim: int, num_tokens: int) -
   return segments if segments >= MIN_SEGMENTS else 1
 
 
-def no_checkpoints(num_slots: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The ``ck_meta`` of a pass without checkpoints: every chunk slot's range empty, the list one unread -1. As
-  constants, which XLA embeds in the executable: computed as arrays they would be kernels of their own."""
-  empty = jnp.asarray(np.zeros(num_slots, np.int32))
-  return empty, empty, jnp.asarray(np.full(1, -1, np.int32))
+def checkpoint_lists(offsets: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``state_pass``'s ``ck_meta``: the caller's checkpoint offsets and slots as int32. Without checkpoints (a
+  static ``M = 0``) two one-entry constants that no program reads (its range is empty), as a kernel needs an
+  array of at least one element; XLA embeds constants in the executable."""
+  if offsets.shape[0] == 0:
+    return jnp.asarray(np.zeros(1, np.int32)), jnp.asarray(np.full(1, -1, np.int32))
+  return offsets.astype(jnp.int32), slots.astype(jnp.int32)
 
 
 def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk: jax.Array,
@@ -230,9 +268,13 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
     qg, kg, neg_w, u, aqk, chunk_decay: stage-1 workspaces (``prefill_prep.prep``), chunk slots first.
     pool_ref: ref of the ``[P, H, V, K]`` pool (f32 or bf16).
     seq_meta: ``[SEQ_META_ROWS, N]`` int32, one row each: first chunk slot, number of chunks, first token,
-      length, pool slot, has-initial-state (0/1). One array, so that XLA builds it in one kernel.
-    ck_meta: checkpoints sorted by chunk slot: per chunk slot the range ``[lo, hi)`` into the sorted list
-      (``[S]`` int32 each) and the sorted destination slots (``[M']`` int32, -1 = skip).
+      length, pool slot, has-initial-state (0/1), the range ``[lo, hi)`` of the sequence's checkpoints in
+      ``ck_meta``, and the chunks of its sequence before this one (0; a segment's first chunk in its sequence).
+      One array, so that XLA builds it in one kernel.
+    ck_meta: ``checkpoint_lists``: the checkpoints' token offsets from their sequence's start and their
+      destination slots (``[M']`` int32 each, -1 = skip), in any order within a sequence's range. Sorted by offset,
+      a program walks them (one comparison a chunk); unsorted, it scans its sequence's whole range at each chunk
+      that ends on one.
     T: total tokens. out_dtype: dtype of ``o``. v_blocks: V-blocks of ``BV`` per program (a warpgroup each,
       sharing the V-independent chunk inputs), 1 or 2 (``KdaTuning.prefill_v_blocks``); divides ``V / BV``.
     interpret: the variant for interpret mode, whose accumulators cannot start from registers
@@ -258,8 +300,8 @@ def transition_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array
   chunks from a zero state, without ``o``, over ``V + K`` rows: the first ``V`` carried with U as usual and the
   last ``K`` starting as the identity with U = 0, which end as the run's transition matrix.
 
-  Args: as ``state_pass``; ``seq_meta``'s slot and has-initial-state rows are not read (every run starts from
-  zero and ends in its own row of the output).
+  Args: as ``state_pass``; ``seq_meta``'s slot, has-initial-state and checkpoint rows are not read (every run
+  starts from zero and ends in its own row of the output, and writes no checkpoint).
 
   Returns:
     ``[N, H, V + K, K]`` f32: every run's final rows (all written).
@@ -269,7 +311,8 @@ def transition_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array
   N = seq_meta.shape[1]
   if V % BV:
     raise ValueError(f"transition_pass needs V a multiple of {BV}, got {V}")
-  return _call((kg, neg_w, u, chunk_decay), seq_meta, no_checkpoints(qg.shape[0]), H=H, K=K, rows=V + K, v_blocks=v_blocks,
+  no_checkpoints = checkpoint_lists(*(jnp.zeros(0, jnp.int32),) * 2)
+  return _call((kg, neg_w, u, chunk_decay), seq_meta, no_checkpoints, H=H, K=K, rows=V + K, v_blocks=v_blocks,
                out_type=jax.ShapeDtypeStruct((N, H, V + K, K), f32), pool_dtype=f32, interpret=interpret,
                real_rows=V, starts=False)
 
