@@ -145,18 +145,41 @@ def test_segmented_state_pass_matches_oracle_and_xla(kernel_impl, sizes, segment
                                 lower_bound, state_dtype, saturated)
 
 
+@pytest.mark.parametrize("lens", [(0,), (1,), (64,), (65, 0, 63), (0, 0, 1, 64, 128, 129), (127, 1, 1, 1, 300, 0, 64)])
+def test_chunk_table_layout(lens):
+  """Every chunk of every sequence has a slot of its own inside the static table (its first token and rows as the
+  sequence says); no two share one; every other slot has no rows."""
+  cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+  T, N = int(cu[-1]), len(lens)
+  num_slots = -(-T // 64) + N
+  starts, nch, _, tok, rows = (np.asarray(a) for a in prefill_kernel._chunk_table(jnp.asarray(cu), num_slots))
+  assert tok.shape == rows.shape == (num_slots,) and starts.shape == nch.shape == (N,)
+  owner = np.full(num_slots, -1)
+  for n, L in enumerate(lens):
+    assert nch[n] == -(-L // 64)
+    for c in range(nch[n]):
+      s = starts[n] + c
+      assert 0 <= s < num_slots and owner[s] == -1, (n, c, s)
+      owner[s] = n
+      assert tok[s] == cu[n] + 64 * c and rows[s] == min(64, L - 64 * c), (n, c)
+  np.testing.assert_array_equal(rows[owner < 0], 0)
+
+
 # A checkpoint after every chunk, each sequence's list in a random order with one offset twice (to two slots), and
 # runs that split the sequences (segments 3): the state pass walks a sorted list and scans an unsorted one.
 SHUFFLED = dict(lens=(200, 0, 70, 1, 330), H=1, K=64, V=64, ck_step=64, shuffled=True)
+SHUFFLED_LARGE = dict(LARGE, ck_step=64, shuffled=True)
 
 
-@pytest.mark.parametrize("segments", [1, 3])
-def test_checkpoints_in_any_order(kernel_impl, segments):
-  _, _, arrays, _ = _problem(2, saturated=False, state_dtype=jnp.float32, lower_bound=-5.0, **SHUFFLED)
+@pytest.mark.parametrize("sizes,segments", [(SHUFFLED, 1), (SHUFFLED, 3),
+                                            pytest.param(SHUFFLED_LARGE, 1, marks=pytest.mark.gpu),
+                                            pytest.param(SHUFFLED_LARGE, 6, marks=pytest.mark.gpu)])
+def test_checkpoints_in_any_order(kernel_impl, sizes, segments):
+  _, _, arrays, _ = _problem(2, saturated=False, state_dtype=jnp.float32, lower_bound=-5.0, **sizes)
   ind, off = arrays["checkpoint_indptr"], arrays["checkpoint_offsets"]
   runs = [off[a:b] for a, b in zip(ind[:-1], ind[1:])]
   assert any((np.diff(r) < 0).any() for r in runs) and any(len(set(r)) < len(r) for r in runs)
-  _check_against_oracle_and_xla(kernel_impl, 2, SHUFFLED, kda.KdaTuning(prefill_segments=segments), -5.0,
+  _check_against_oracle_and_xla(kernel_impl, 2, sizes, kda.KdaTuning(prefill_segments=segments), -5.0,
                                 jnp.float32, False)
 
 

@@ -9,7 +9,8 @@ copy of ``beta_raw``; no state is gathered or scattered outside the kernels (als
 ``KdaTuning.prefill_segments`` > 1, ``_segmented_state_pass``: README.md, "Segments").
 
 The chunk slot table has a static size ``cdiv(T, 64) + N`` (every sequence adds at most one partial chunk);
-slots past the real chunks have length 0 and are skipped.
+sequence n's chunks start at slot ``cu[n] // 64 + n`` (``_chunk_table``); the slots between and past them have
+length 0 and are skipped.
 """
 
 import functools
@@ -31,18 +32,26 @@ def _search(sorted_arr: jax.Array, queries: jax.Array, side: str) -> jax.Array:
 
 
 def _chunk_table(cu_seqlens: jax.Array, num_slots: int):
-  """Per-sequence chunk ranges and per-slot (first token, valid rows) of the chunk-padded layout."""
+  """Per-sequence chunk ranges and per-slot (first token, valid rows) of the chunk-padded layout.
+
+  Sequence n's chunks take the slots from ``cu[n] // C + n`` on: with ``cu[n] = qC + r`` its ``ceil(L / C)`` chunks
+  end at or before ``(r + L) // C + 1`` slots further, the next sequence's first slot, and the last sequence's at
+  ``T // C + N`` at most, inside the ``cdiv(T, C) + N`` slots. Elementwise in ``cu``: no prefix sum (a kernel of its
+  own). Slots between sequences have no rows, like those past the last."""
+  N = cu_seqlens.shape[0] - 1
   lens = cu_seqlens[1:] - cu_seqlens[:-1]
   nch = (lens + C - 1) // C
-  ends = jnp.cumsum(nch)
-  starts = ends - nch
+  n = jnp.arange(N, dtype=cu_seqlens.dtype)
+  starts = cu_seqlens[:-1] // C + n
   slots = jnp.arange(num_slots, dtype=jnp.int32)
-  seq = _search(ends, slots, "right")
-  in_range = seq < lens.shape[0]
-  seq_c = jnp.minimum(seq, lens.shape[0] - 1)
-  local = slots - starts[seq_c]
-  tok = cu_seqlens[seq_c] + local * C
-  rows = jnp.where(in_range, jnp.clip(lens[seq_c] - local * C, 0, C), 0)
+  # The slots' fusion computes the starts it needs from cu itself, as another expression (which XLA does not merge
+  # with ``starts``) and gathering only from cu: one array for both, or a gather from a computed one, would be a
+  # kernel of its own that the fusion waits for.
+  seq = jnp.maximum(_search((cu_seqlens[:-1] + n * C) // C, slots, "right") - 1, 0)  # last starting at or before
+  local = slots - (cu_seqlens[seq] // C + seq)
+  in_range = local < nch[seq]
+  tok = cu_seqlens[seq] + local * C
+  rows = jnp.where(in_range, jnp.clip(lens[seq] - local * C, 0, C), 0)
   return starts.astype(jnp.int32), nch.astype(jnp.int32), lens, jnp.where(in_range, tok, 0), rows
 
 
