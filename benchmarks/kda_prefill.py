@@ -477,6 +477,8 @@ def main():
                       "columns, and o's rel RMSE against the default's)")
   parser.add_argument("--shapes", type=int, nargs="+", default=list(range(len(SHAPES))),
                       help="indices into SHAPES, in the order to run them")
+  parser.add_argument("--overhead-shapes", type=int, nargs="*", default=[0, 2],
+                      help="the shapes (indices into SHAPES) that also time the bf16-state and checkpoint variants")
   args = parser.parse_args()
   faulthandler.dump_traceback_later(args.watchdog, exit=True)
   print(f"devices: {jax.devices()}  commit: {args.commit}", flush=True)
@@ -513,7 +515,8 @@ def main():
     print("rel RMSE of o vs impl='xla' (T=1000 varlen, H=4):", check_vs_xla(), flush=True)
     return 0
   results, skip = [], set(args.skip)
-  for name, lens, H in (SHAPES[i] for i in args.shapes):
+  for i in args.shapes:
+    name, lens, H = SHAPES[i]
     x = make_inputs(lens, H)
     T, N = int(sum(lens)), len(lens)
     run, o = ours_runner(x, lens, H, lower_bound=gate_bound)
@@ -544,7 +547,7 @@ def main():
                   f"{peer}_fixed_ms": best_fit["fixed_ms"],
                   f"ratio_{peer}_per_call": best_fit["per_call_ms"] / fit_ours["per_call_ms"],
                   f"rel_rmse_vs_{peer}": rel_rmse(o, o_peer)})
-    if name in (SHAPES[0][0], SHAPES[2][0]) and not args.quick:
+    if i in args.overhead_shapes and not args.quick:
       # Every variant timed in the same rounds as the base: the overheads are medians of paired ratios.
       # base_again is the base once more with its own jitted executable and buffers: the control for what a
       # runner's own allocation does to its speed, which a variant's overhead must exceed to mean anything
