@@ -269,7 +269,8 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
     pool_ref: ref of the ``[P, H, V, K]`` pool (f32 or bf16).
     seq_meta: ``[SEQ_META_ROWS, N]`` int32, one row each: first chunk slot, number of chunks, first token,
       length, pool slot, has-initial-state (0/1), the range ``[lo, hi)`` of the sequence's checkpoints in
-      ``ck_meta``, and the chunks of its sequence before this one (0; a segment's first chunk in its sequence).
+      ``ck_meta``, and how many of its sequence's chunks come before its first (0 for a whole sequence; a segment's
+      first chunk within its sequence).
       One array, so that XLA builds it in one kernel.
     ck_meta: ``checkpoint_lists``: the checkpoints' token offsets from their sequence's start and their
       destination slots (``[M']`` int32 each, -1 = skip), in any order within a sequence's range. Sorted by offset,
