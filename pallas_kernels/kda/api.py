@@ -139,7 +139,9 @@ def kda_prefill(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta
     has_initial_state: ``[N]`` bool.
     checkpoint_indptr: ``[N+1]`` int32 CSR row pointer into the checkpoint arrays (or None: no checkpoints).
     checkpoint_offsets: ``[M]`` int32, tokens from the sequence start, multiples of ``chunk_size``,
-      in ``(0, L_n]``; the state after that many tokens is written to ``checkpoint_slots``.
+      in ``(0, L_n]``; the state after that many tokens is written to ``checkpoint_slots``. Any order within a
+      sequence; sorted by offset costs the kernel one comparison a chunk, unsorted a scan of the sequence's list
+      at each chunk that ends on a checkpoint.
     checkpoint_slots: ``[M]`` int32 destination pool slots (-1: skip).
     config: ``KdaConfig``; the kernel impls take ``config.tuning.prefill_v_blocks`` (None fields:
       ``default_tuning`` of these shapes).
