@@ -293,7 +293,7 @@ def prep_setup(lens, H: int, lower_bound: float | None = LB):
   num_slots = -(-T // C) + N
   table = prefill_kernel._chunk_table(jnp.asarray(x["cu"]), num_slots)
   prep, = prep_executables(1, lower_bound)
-  pargs = (q, k, v, g, beta_p, jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]), *table[3:])
+  pargs = (q, k, v, g, beta_p, jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]), jnp.stack(table[3:]))
   return x, prep, pargs, table
 
 
@@ -304,7 +304,7 @@ def profile(lens, H: int, iters: int = 10) -> dict:
   call's overhead from ``paired_overheads``)."""
   from pallas_kernels.kda import prefill_kernel, prefill_state
 
-  x, prep, pargs, (chunk_start, nch, _, _, _) = prep_setup(lens, H)
+  x, prep, pargs, _ = prep_setup(lens, H)
   T, N = int(sum(lens)), len(lens)
   cu = jnp.asarray(x["cu"])
   prep_one, = prep_executables(1)  # a second jitted prep, traced with padded SMEM (below)
@@ -316,15 +316,15 @@ def profile(lens, H: int, iters: int = 10) -> dict:
   def state_runner(per_seq_ckpt: int, v_blocks: int = default_v_blocks):
     ind, off, slots = (jnp.asarray(a) for a in checkpoints(lens, per_seq_ckpt)) if per_seq_ckpt else (
         jnp.zeros(N + 1, jnp.int32), jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32))
-    seq_meta = prefill_kernel.sequence_table(cu, chunk_start, nch, jnp.arange(N, dtype=jnp.int32), jnp.ones(N, bool),
-                                             ind)
+    table = prefill_kernel.index_table(cu, jnp.arange(N, dtype=jnp.int32), jnp.ones(N, bool), ind, -(-T // C) + N)
     ck = prefill_state.checkpoint_lists(off, slots)
     pool = jnp.zeros((N + off.shape[0], H, V, K), jnp.float32).at[:N].set(x["h0"])
 
     @jax.jit
     def state(work, pool):
       pool_ref = jax.new_ref(pool)
-      o = prefill_state.state_pass(*work, pool_ref, seq_meta, ck, T=T, out_dtype=jnp.bfloat16, v_blocks=v_blocks)
+      o = prefill_state.state_pass(*work, pool_ref, table, ck, T=T, out_dtype=jnp.bfloat16, v_blocks=v_blocks,
+                                   num_seqs=N)
       return o, pool_ref[...]
 
     return lambda n: jax.block_until_ready([state(work, pool) for _ in range(n)])

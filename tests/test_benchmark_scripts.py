@@ -220,8 +220,7 @@ def test_kda_prefill_padded_smem_keeps_results():
   raw = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
   args = (raw(T, H, K), raw(T, H, K), raw(T, H, K), raw(T, H, K),
           jnp.asarray(rng.standard_normal((T + 64, H)), jnp.float32), jnp.zeros((H,), jnp.float32),
-          jnp.asarray(rng.standard_normal((H, K)), jnp.float32), jnp.zeros((1,), jnp.int32),
-          jnp.full((1,), 50, jnp.int32))
+          jnp.asarray(rng.standard_normal((H, K)), jnp.float32), jnp.asarray([[0], [50]], jnp.int32))
   prep = lambda: prefill_prep.prep(*args, scale=K ** -0.5, lower_bound=-5.0, smem_operands=True)
   real = plgpu.kernel
   with interpret_mode():

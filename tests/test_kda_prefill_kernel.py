@@ -360,7 +360,7 @@ def _prep_smem_bytes(lower_bound, monkeypatch) -> int:
   T, H, K = 128, 1, 128
   tokens = jnp.zeros((T, H, K), jnp.bfloat16)
   args = (tokens,) * 4 + (jnp.zeros((H, T + 64), jnp.float32), jnp.zeros((H,), jnp.float32),
-                          jnp.zeros((H, K), jnp.float32), jnp.zeros((3,), jnp.int32), jnp.zeros((3,), jnp.int32))
+                          jnp.zeros((H, K), jnp.float32), jnp.zeros((2, 3), jnp.int32))
   f = functools.partial(prefill_prep.prep, scale=K ** -0.5, lower_bound=lower_bound, smem_operands=False)
   monkeypatch.setattr(lowering, "_estimate_resources", estimate)
   jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
@@ -417,7 +417,7 @@ def test_prep_w_where_the_anchor_factor_is_below_f32():
   bf = lambda x: jnp.asarray(x, jnp.bfloat16)
   args = (bf(rng.standard_normal((T, 1, K))), bf(k), bf(rng.standard_normal((T, 1, V))), jnp.asarray(g_raw),
           jnp.pad(jnp.asarray(beta_raw), ((0, 64), (0, 0))), jnp.zeros((1,), jnp.float32),
-          jnp.zeros((1, K), jnp.float32), jnp.zeros((1,), jnp.int32), jnp.full((1,), T, jnp.int32))
+          jnp.zeros((1, K), jnp.float32), jnp.asarray([[0], [T]], jnp.int32))
   with interpret_mode(True):
     neg_w = prefill_prep.prep(*args, scale=K ** -0.5, lower_bound=lb, smem_operands=True)[2]
   got = -np.asarray(neg_w[0, 0], np.float64)

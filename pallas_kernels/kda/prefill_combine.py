@@ -99,8 +99,8 @@ def combine(bm: jax.Array, state_pool: jax.Array, seq_meta: jax.Array, *, G: int
     bm: ``[N * G, H, V + K, K]`` f32, the transition pass's output for segment ``j`` of sequence ``n`` at
       ``n * G + j``: rows ``[0, V)`` B, rows ``[V, V + K)`` M.
     state_pool: ``[P, H, V, K]`` f32 or bf16, read at the sequences' initial-state slots.
-    seq_meta: ``prefill_state.state_pass``'s ``[SEQ_META_ROWS, N]`` table of the sequences; its pool slot
-      (-1: no initial state) and has-initial-state (0/1) rows are read.
+    seq_meta: ``prefill_state.state_pass``'s per-sequence table (``[R >= SEQ_META_ROWS, N' >= N]``); its pool
+      slot (-1: no initial state) and has-initial-state (0/1) rows are read, in the first ``N`` columns.
     G: segments per sequence.
     interpret: the variant for interpret mode (``util.accumulate``).
 
@@ -110,10 +110,10 @@ def combine(bm: jax.Array, state_pool: jax.Array, seq_meta: jax.Array, *, G: int
   """
   NS, H, R, K = bm.shape
   V = R - K
-  N = seq_meta.shape[1]
-  if NS != N * G or V <= 0 or V % BV or state_pool.shape[1:] != (H, V, K):
-    raise ValueError(f"combine: bm {bm.shape} must be [N * G = {N * G}, H, V + K, K] with V a multiple of {BV}, "
-                     f"matching state_pool {state_pool.shape} [P, H, V, K]")
+  N = NS // G
+  if NS != N * G or seq_meta.shape[1] < N or V <= 0 or V % BV or state_pool.shape[1:] != (H, V, K):
+    raise ValueError(f"combine: bm {bm.shape} must be [N * G, H, V + K, K] (G = {G}) with V a multiple of {BV}, "
+                     f"matching state_pool {state_pool.shape} [P, H, V, K], and seq_meta {seq_meta.shape} N columns")
   scratch = [
       plgpu.RefUnion(plgpu.SMEM((BV, K), state_pool.dtype), plgpu.SMEM((BV, K), f32)),
       plgpu.SMEM((K, K), f32), plgpu.SMEM((BV, K), f32), tiled((K, K)), tiled((K, K)), tiled((BV, K)),

@@ -4,7 +4,7 @@ Stage 1 (``prefill_prep``, chunk-parallel, grid = chunk slots × heads) turns th
 64-token chunk into bf16 per-chunk operands in chunk-padded workspaces; stage 2 (``prefill_state``, grid =
 V-blocks × sequences × heads) runs the inter-chunk recurrence, writes ``o`` and reads/writes the state
 pool slots in place (the pool enters as a ``jax.new_ref``; donate it in the enclosing ``jax.jit`` to avoid
-a copy). Around the kernels there is only index arithmetic on ``[N]``/``[M]``-sized arrays and a padded f32
+a copy). Around the kernels there is only one index table (``index_table``: one XLA kernel) and a padded f32
 copy of ``beta_raw``; no state is gathered or scattered outside the kernels (also with
 ``KdaTuning.prefill_segments`` > 1, ``_segmented_state_pass``: README.md, "Segments").
 
@@ -55,14 +55,20 @@ def _chunk_table(cu_seqlens: jax.Array, num_slots: int):
   return starts.astype(jnp.int32), nch.astype(jnp.int32), lens, jnp.where(in_range, tok, 0), rows
 
 
-def sequence_table(cu_seqlens: jax.Array, chunk_start: jax.Array, nch: jax.Array, state_indices: jax.Array,
-                   has_initial_state: jax.Array, checkpoint_indptr: jax.Array) -> jax.Array:
-  """``prefill_state.state_pass``'s ``[SEQ_META_ROWS, N]`` per-sequence table of one pass (each sequence one run
-  from its chunk 0). One stack, so that XLA builds it in one kernel."""
+def index_table(cu_seqlens: jax.Array, state_indices: jax.Array, has_initial_state: jax.Array,
+                checkpoint_indptr: jax.Array, num_slots: int) -> jax.Array:
+  """The call's one index table, ``[SEQ_META_ROWS + 2, num_slots]`` int32 (``num_slots`` >= N): in its first N
+  columns ``prefill_state.state_pass``'s per-sequence rows of one pass (each sequence one run from its chunk 0;
+  the columns past N repeat the last sequence's and are not read), then each chunk slot's first token and valid
+  rows (``prefill_prep.prep``'s last two rows). Every entry is computed from the arguments themselves (gathers
+  from computed arrays would be kernels of their own), so XLA builds the table in one kernel."""
+  _, _, _, tok, rows = _chunk_table(cu_seqlens, num_slots)
+  n = jnp.minimum(jnp.arange(num_slots, dtype=jnp.int32), state_indices.shape[0] - 1)
+  lens = cu_seqlens[n + 1] - cu_seqlens[n]
   i32 = lambda x: x.astype(jnp.int32)
-  return jnp.stack([chunk_start, nch, i32(cu_seqlens[:-1]), i32(cu_seqlens[1:] - cu_seqlens[:-1]),
-                    i32(state_indices), i32(has_initial_state), i32(checkpoint_indptr[:-1]),
-                    i32(checkpoint_indptr[1:]), jnp.zeros_like(nch)])
+  return jnp.stack([i32(cu_seqlens[n] // C + n), i32((lens + C - 1) // C), i32(cu_seqlens[n]), i32(lens),
+                    i32(state_indices[n]), i32(has_initial_state[n]), i32(checkpoint_indptr[n]),
+                    i32(checkpoint_indptr[n + 1]), jnp.zeros_like(n), tok, rows])
 
 
 def _check_supported(K: int, V: int, v_blocks: int) -> None:
@@ -84,25 +90,23 @@ def _prefill(q, k, v, g_raw, beta_raw, A_log, dt_bias, cu_seqlens, state_pool, s
   # so stage 1's SMEM fits.
   if q.dtype.itemsize > 2:
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-  num_slots = util.cdiv(T, C) + N
-  chunk_start, nch, _, tok, rows = _chunk_table(cu_seqlens, num_slots)
+  table = index_table(cu_seqlens, state_indices, has_initial_state, checkpoint_indptr, util.cdiv(T, C) + N)
   beta_p = jnp.pad(beta_raw.astype(jnp.float32), ((0, C), (0, 0)))  # one fusion (a transpose is kernels of its own)
   with interpret_mode(interpret):
-    work = prefill_prep.prep(q, k, v, g_raw, beta_p, A_log, dt_bias, tok, rows, scale=scale,
+    work = prefill_prep.prep(q, k, v, g_raw, beta_p, A_log, dt_bias, table, scale=scale,
                              lower_bound=config.lower_bound, smem_operands=interpret)
-    seq_meta = sequence_table(cu_seqlens, chunk_start, nch, state_indices, has_initial_state, checkpoint_indptr)
     # The state pass reads the caller's checkpoint lists as they are: no table per chunk, no sort.
     ck = prefill_state.checkpoint_lists(checkpoint_offsets, checkpoint_slots)
     if segments > 1:
-      return _segmented_state_pass(work, seq_meta, state_pool, ck, T=T, G=segments, out_dtype=q.dtype,
+      return _segmented_state_pass(work, table, N, state_pool, ck, T=T, G=segments, out_dtype=q.dtype,
                                    v_blocks=v_blocks, interpret=interpret)
     pool_ref = jax.new_ref(state_pool)
-    o = prefill_state.state_pass(*work, pool_ref, seq_meta, ck, T=T, out_dtype=q.dtype, v_blocks=v_blocks,
-                                 interpret=interpret)
+    o = prefill_state.state_pass(*work, pool_ref, table, ck, T=T, out_dtype=q.dtype, v_blocks=v_blocks,
+                                 interpret=interpret, num_seqs=N)
   return o, pool_ref[...]
 
 
-def _segmented_state_pass(work, seq_meta, state_pool, ck, *, T: int, G: int, out_dtype, v_blocks: int,
+def _segmented_state_pass(work, table, N: int, state_pool, ck, *, T: int, G: int, out_dtype, v_blocks: int,
                           interpret: bool) -> tuple[jax.Array, jax.Array]:
   """The state pass with every sequence cut into ``G`` runs of whole chunks ("segments") that run in parallel.
 
@@ -115,11 +119,11 @@ def _segmented_state_pass(work, seq_meta, state_pool, ck, *, T: int, G: int, out
   holds a chunk whenever the sequence does, so its final-state rule is the one-pass rule (a length-0 sequence
   writes the zero state without an initial state and leaves its slot untouched with one; -1 slots are written
   nowhere). An empty segment has M = I and B = 0. A segment reads its sequence's checkpoints and writes those
-  after its own chunks. Args as ``prefill_state.state_pass`` (``seq_meta`` one pass's ``sequence_table``).
+  after its own chunks. Args as ``prefill_state.state_pass`` (``table``: the call's ``index_table``, of N
+  sequences).
   """
   qg, kg, neg_w, u, aqk, decay = work
-  chunk_start, nch, t0, lens, slots, has_init, ck_lo, ck_hi, _ = seq_meta
-  N = nch.shape[0]
+  chunk_start, nch, t0, lens, slots, has_init, ck_lo, ck_hi, _ = table[:prefill_state.SEQ_META_ROWS, :N]
   _, H, _, K = qg.shape
   V = u.shape[-1]
   NS = N * G
@@ -139,7 +143,7 @@ def _segmented_state_pass(work, seq_meta, state_pool, ck, *, T: int, G: int, out
   # or that rule over V, sizes the second pass).
   bm = prefill_state.transition_pass(qg, kg, neg_w, u, decay, run_meta,
                                      v_blocks=prefill_state.choose_v_blocks(NS, H, V + K), interpret=interpret)
-  starts = prefill_combine.combine(bm, state_pool, seq_meta, G=G, interpret=interpret)
+  starts = prefill_combine.combine(bm, state_pool, table, G=G, interpret=interpret)
   pool_ref = jax.new_ref(state_pool)
   o = prefill_state.state_pass(qg, kg, neg_w, u, aqk, decay, pool_ref, run_meta, ck, T=T, out_dtype=out_dtype,
                                v_blocks=v_blocks, interpret=interpret, starts=starts)

@@ -89,7 +89,7 @@ def split(x: jax.Array, parts: int) -> list[jax.Array]:
   return out
 
 
-def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_ref,
+def _prep_body(table_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_ref,
                qg_ref, kg_ref, neg_w_ref, u_ref, aqk_ref, decay_ref,
                x_q, x_k, x_v, y, anchors_s, bar_g, bar_qkv, *,
                K: int, V: int, scale: float, lower_bound: float | None, smem_operands: bool):
@@ -105,10 +105,11 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
   raw_g, (gsplit, tril), ph_diag, (stage_a, stage_b), (x_s, aqk_s) = y
   # Chunk slots in reverse order: the last items written, whose workspaces the L2 still holds when the state pass
   # starts, are the first chunks of the first sequences, which the state pass's first programs read first.
-  c = tok_ref.shape[0] - 1 - lax.axis_index("c")
+  rows = table_ref.shape[0]
+  c = table_ref.shape[1] - 1 - lax.axis_index("c")
   h = lax.axis_index("h")
-  t0 = tok_ref[c]
-  n = len_ref[c]
+  t0 = table_ref[rows - 2, c]
+  n = table_ref[rows - 1, c]
 
   @pl.when(n > 0)
   def _():
@@ -339,15 +340,16 @@ def _prep_body(tok_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dt
 
 
 def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_p: jax.Array, A_log: jax.Array,
-         dt_bias: jax.Array, chunk_tok: jax.Array, chunk_len: jax.Array, *, scale: float,
-         lower_bound: float | None, smem_operands: bool) -> tuple[jax.Array, ...]:
-  """Stage 1 over ``S = chunk_tok.shape[0]`` chunk slots (slots with ``chunk_len == 0`` are skipped).
+         dt_bias: jax.Array, table: jax.Array, *, scale: float, lower_bound: float | None,
+         smem_operands: bool) -> tuple[jax.Array, ...]:
+  """Stage 1 over ``S = table.shape[1]`` chunk slots (slots without rows are skipped).
 
   Args:
     q, k: ``[T, H, K]`` raw, 16-bit. v: ``[T, H, V]`` 16-bit. g_raw: ``[T, H, K]``.
     beta_p: ``[T + C, H]`` f32, raw β padded by C rows (a chunk's column is read at once, past T too).
     A_log: ``[H]`` f32. dt_bias: ``[H, K]`` f32.
-    chunk_tok: ``[S]`` int32 first token of each chunk slot. chunk_len: ``[S]`` int32 valid rows (0..64).
+    table: ``[R, S]`` int32 whose last two rows are each chunk slot's first token and valid rows (0..64); the
+      rows before them are not read (the call's one index table: ``prefill_kernel.index_table``).
     smem_operands: every wgmma operand from SMEM (interpret mode needs that); False takes the A operands of
       the inverse and of W/U from registers (the GPU).
 
@@ -357,7 +359,7 @@ def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_p: jax
   """
   T, H, K = q.shape
   V = v.shape[-1]
-  S = chunk_tok.shape[0]
+  S = table.shape[1]
   bounded = lower_bound is not None
   out_type = (jax.ShapeDtypeStruct((S, H, C, K), bf16), jax.ShapeDtypeStruct((S, H, C, K), bf16),
               jax.ShapeDtypeStruct((S, H, C, K), bf16), jax.ShapeDtypeStruct((S, H, C, V), bf16),
@@ -383,4 +385,4 @@ def prep(q: jax.Array, k: jax.Array, v: jax.Array, g_raw: jax.Array, beta_p: jax
   return plgpu.kernel(body, out_type=out_type, grid=(S, H), grid_names=("c", "h"), scratch_types=scratch,
                       kernel_name="kda_prefill_prep",
                       compiler_params=util.compiler_params(approx_math=True, unsafe_no_auto_barriers=True))(
-      chunk_tok, chunk_len, q, k, v, g_raw, beta_p, A_log, dt_bias)
+      table, q, k, v, g_raw, beta_p, A_log, dt_bias)

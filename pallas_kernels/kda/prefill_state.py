@@ -261,7 +261,7 @@ def checkpoint_lists(offsets: jax.Array, slots: jax.Array) -> tuple[jax.Array, j
 def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk: jax.Array,
                chunk_decay: jax.Array, pool_ref, seq_meta: jax.Array, ck_meta: tuple[jax.Array, ...],
                *, T: int, out_dtype, v_blocks: int, interpret: bool = False,
-               starts: jax.Array | None = None) -> jax.Array:
+               starts: jax.Array | None = None, num_seqs: int | None = None) -> jax.Array:
   """Stage 2. Writes final states / checkpoints into ``pool_ref`` (a ``jax.new_ref`` of the pool) in place.
 
   Args:
@@ -283,6 +283,8 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
     starts: ``[N, H, V, K]`` f32 or None: the sequences' initial states at their own index (read where
       has-initial-state is 1, whatever the slot), instead of from their pool slots (the segmented pass's second
       pass, whose runs write into slots they do not start from).
+    num_seqs: the sequences, the first columns of ``seq_meta`` (None: all of them; a table with more columns and
+      rows is the call's one index table, ``prefill_kernel.index_table``).
 
   Returns:
     ``o [T, H, V]`` in ``out_dtype``.
@@ -290,7 +292,7 @@ def state_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array, aqk
   _, H, _, K = qg.shape
   V = u.shape[-1]
   inputs = (qg, kg, neg_w, u, aqk, chunk_decay, pool_ref) + (() if starts is None else (starts,))
-  return _call(inputs, seq_meta, ck_meta, H=H, K=K, rows=V,
+  return _call(inputs, seq_meta, ck_meta, H=H, K=K, rows=V, N=seq_meta.shape[1] if num_seqs is None else num_seqs,
                v_blocks=v_blocks, out_type=jax.ShapeDtypeStruct((T, H, V), out_dtype), pool_dtype=pool_ref.dtype,
                interpret=interpret, real_rows=None, starts=starts is not None)
 
@@ -313,19 +315,18 @@ def transition_pass(qg: jax.Array, kg: jax.Array, neg_w: jax.Array, u: jax.Array
   if V % BV:
     raise ValueError(f"transition_pass needs V a multiple of {BV}, got {V}")
   no_checkpoints = checkpoint_lists(*(jnp.zeros(0, jnp.int32),) * 2)
-  return _call((kg, neg_w, u, chunk_decay), seq_meta, no_checkpoints, H=H, K=K, rows=V + K, v_blocks=v_blocks,
+  return _call((kg, neg_w, u, chunk_decay), seq_meta, no_checkpoints, H=H, K=K, rows=V + K, N=N, v_blocks=v_blocks,
                out_type=jax.ShapeDtypeStruct((N, H, V + K, K), f32), pool_dtype=f32, interpret=interpret,
                real_rows=V, starts=False)
 
 
-def _call(inputs, seq_meta, ck_meta, *, H: int, K: int, rows: int, v_blocks: int, out_type, pool_dtype,
+def _call(inputs, seq_meta, ck_meta, *, H: int, K: int, rows: int, N: int, v_blocks: int, out_type, pool_dtype,
           interpret: bool, real_rows: int | None, starts: bool):
   """One ``plgpu.kernel`` of ``_state_body`` over ``inputs`` (``_state_body``'s order for the mode: the pool ref,
   updated in place, then the starts if any, with ``o`` the output; or, for the transition pass, no pool and the
   output its pool)."""
-  if seq_meta.shape[0] != SEQ_META_ROWS:
-    raise ValueError(f"seq_meta must have {SEQ_META_ROWS} rows, got shape {seq_meta.shape}")
-  N = seq_meta.shape[1]
+  if seq_meta.shape[0] < SEQ_META_ROWS or seq_meta.shape[1] < N:
+    raise ValueError(f"seq_meta must have at least {SEQ_META_ROWS} rows and {N} columns, got shape {seq_meta.shape}")
   wgs = v_blocks
   if wgs not in (1, 2) or (rows // BV) % wgs:
     raise ValueError(f"v_blocks must be 1 or 2 and divide {rows} / {BV} rows, got {v_blocks}")
