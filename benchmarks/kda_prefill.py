@@ -281,8 +281,8 @@ def prep_executables(count: int, lower_bound: float | None = LB) -> list:
 
 
 def prep_setup(lens, H: int, lower_bound: float | None = LB):
-  """The prep alone: ``(x, jitted prep, its arguments, chunk table)`` at these lengths and heads, the table being
-  ``prefill_kernel._chunk_table``'s ``(chunk_start, nch, lens, tok, rows)``."""
+  """The prep alone: ``(x, jitted prep, its arguments, index table)`` at these lengths and heads, the table being
+  ``prefill_kernel.index_table``'s (each sequence into the slot of its index, with an initial state)."""
   from pallas_kernels.kda import prefill_kernel
 
   x = make_inputs(lens, H)
@@ -291,9 +291,10 @@ def prep_setup(lens, H: int, lower_bound: float | None = LB):
   q, k, v, g = (bf(x[n]) for n in ("q", "k", "v", "g_raw"))
   beta_p = jnp.pad(jnp.asarray(x["beta_raw"]), ((0, C), (0, 0)))
   num_slots = -(-T // C) + N
-  table = prefill_kernel._chunk_table(jnp.asarray(x["cu"]), num_slots)
+  table = prefill_kernel.index_table(jnp.asarray(x["cu"]), jnp.arange(N, dtype=jnp.int32), jnp.ones(N, bool),
+                                     jnp.zeros(N + 1, jnp.int32), num_slots)
   prep, = prep_executables(1, lower_bound)
-  pargs = (q, k, v, g, beta_p, jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]), jnp.stack(table[3:]))
+  pargs = (q, k, v, g, beta_p, jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]), table)
   return x, prep, pargs, table
 
 

@@ -146,14 +146,21 @@ def test_segmented_state_pass_matches_oracle_and_xla(kernel_impl, sizes, segment
 
 
 @pytest.mark.parametrize("lens", [(0,), (1,), (64,), (65, 0, 63), (0, 0, 1, 64, 128, 129), (127, 1, 1, 1, 300, 0, 64)])
-def test_chunk_table_layout(lens):
-  """Every chunk of every sequence has a slot of its own inside the static table (its first token and rows as the
-  sequence says); no two share one; every other slot has no rows."""
+def test_index_table_layout(lens):
+  """``index_table``: every chunk of every sequence has a slot of its own inside the static table (its first token
+  and rows as the sequence says); no two share one; every other slot has no rows; the per-sequence rows hold each
+  sequence's first slot, chunks, first token, length, slot, initial-state flag and checkpoint range."""
   cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
   T, N = int(cu[-1]), len(lens)
   num_slots = -(-T // 64) + N
-  starts, nch, _, tok, rows = (np.asarray(a) for a in prefill_kernel._chunk_table(jnp.asarray(cu), num_slots))
-  assert tok.shape == rows.shape == (num_slots,) and starts.shape == nch.shape == (N,)
+  si, has = np.arange(N, dtype=np.int32)[::-1].copy(), np.arange(N) % 2 == 0
+  indptr = np.arange(N + 1, dtype=np.int32) * 2
+  table = np.asarray(prefill_kernel.index_table(jnp.asarray(cu), jnp.asarray(si), jnp.asarray(has),
+                                                jnp.asarray(indptr), num_slots))
+  assert table.shape == (prefill_state.SEQ_META_ROWS + 2, num_slots) and table.dtype == np.int32
+  starts, nch, tok, rows = table[0, :N], table[1, :N], table[-2], table[-1]
+  np.testing.assert_array_equal(table[2:9, :N], np.stack([cu[:-1], np.diff(cu), si, has, indptr[:-1], indptr[1:],
+                                                          np.zeros(N)]))
   owner = np.full(num_slots, -1)
   for n, L in enumerate(lens):
     assert nch[n] == -(-L // 64)

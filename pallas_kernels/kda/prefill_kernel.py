@@ -9,7 +9,7 @@ copy of ``beta_raw``; no state is gathered or scattered outside the kernels (als
 ``KdaTuning.prefill_segments`` > 1, ``_segmented_state_pass``: README.md, "Segments").
 
 The chunk slot table has a static size ``cdiv(T, 64) + N`` (every sequence adds at most one partial chunk);
-sequence n's chunks start at slot ``cu[n] // 64 + n`` (``_chunk_table``); the slots between and past them have
+sequence n's chunks start at slot ``cu[n] // 64 + n`` (``index_table``); the slots between and past them have
 length 0 and are skipped.
 """
 
@@ -31,44 +31,35 @@ def _search(sorted_arr: jax.Array, queries: jax.Array, side: str) -> jax.Array:
   return jnp.searchsorted(sorted_arr, queries, side=side, method="compare_all").astype(jnp.int32)
 
 
-def _chunk_table(cu_seqlens: jax.Array, num_slots: int):
-  """Per-sequence chunk ranges and per-slot (first token, valid rows) of the chunk-padded layout.
+def index_table(cu_seqlens: jax.Array, state_indices: jax.Array, has_initial_state: jax.Array,
+                checkpoint_indptr: jax.Array, num_slots: int) -> jax.Array:
+  """The call's one index table, ``[SEQ_META_ROWS + 2, num_slots]`` int32 (``num_slots = cdiv(T, C) + N``): in its
+  first N columns ``prefill_state.state_pass``'s per-sequence rows of one pass (each sequence one run from its
+  chunk 0; the columns past N repeat the last sequence's and are not read), then each chunk slot's first token and
+  valid rows (``prefill_prep.prep``'s last two rows; slots that hold no chunk have none).
 
   Sequence n's chunks take the slots from ``cu[n] // C + n`` on: with ``cu[n] = qC + r`` its ``ceil(L / C)`` chunks
   end at or before ``(r + L) // C + 1`` slots further, the next sequence's first slot, and the last sequence's at
-  ``T // C + N`` at most, inside the ``cdiv(T, C) + N`` slots. Elementwise in ``cu``: no prefix sum (a kernel of its
-  own). Slots between sequences have no rows, like those past the last."""
-  N = cu_seqlens.shape[0] - 1
-  lens = cu_seqlens[1:] - cu_seqlens[:-1]
-  nch = (lens + C - 1) // C
-  n = jnp.arange(N, dtype=cu_seqlens.dtype)
-  starts = cu_seqlens[:-1] // C + n
-  slots = jnp.arange(num_slots, dtype=jnp.int32)
-  # The slots' fusion computes the starts it needs from cu itself, as another expression (which XLA does not merge
-  # with ``starts``) and gathering only from cu: one array for both, or a gather from a computed one, would be a
-  # kernel of its own that the fusion waits for.
-  seq = jnp.maximum(_search((cu_seqlens[:-1] + n * C) // C, slots, "right") - 1, 0)  # last starting at or before
-  local = slots - (cu_seqlens[seq] // C + seq)
-  in_range = local < nch[seq]
-  tok = cu_seqlens[seq] + local * C
-  rows = jnp.where(in_range, jnp.clip(lens[seq] - local * C, 0, C), 0)
-  return starts.astype(jnp.int32), nch.astype(jnp.int32), lens, jnp.where(in_range, tok, 0), rows
-
-
-def index_table(cu_seqlens: jax.Array, state_indices: jax.Array, has_initial_state: jax.Array,
-                checkpoint_indptr: jax.Array, num_slots: int) -> jax.Array:
-  """The call's one index table, ``[SEQ_META_ROWS + 2, num_slots]`` int32 (``num_slots`` >= N): in its first N
-  columns ``prefill_state.state_pass``'s per-sequence rows of one pass (each sequence one run from its chunk 0;
-  the columns past N repeat the last sequence's and are not read), then each chunk slot's first token and valid
-  rows (``prefill_prep.prep``'s last two rows). Every entry is computed from the arguments themselves (gathers
-  from computed arrays would be kernels of their own), so XLA builds the table in one kernel."""
-  _, _, _, tok, rows = _chunk_table(cu_seqlens, num_slots)
-  n = jnp.minimum(jnp.arange(num_slots, dtype=jnp.int32), state_indices.shape[0] - 1)
+  ``T // C + N`` at most, inside the table. So every entry is an elementwise function of the arguments (no prefix
+  sum), and computed from them directly (a gather from a computed array would be a kernel of its own): XLA builds
+  the table in one kernel."""
+  N = state_indices.shape[0]
+  n = jnp.minimum(jnp.arange(num_slots, dtype=jnp.int32), N - 1)
   lens = cu_seqlens[n + 1] - cu_seqlens[n]
+  # Each slot's sequence: the last one starting at or before it (a comparison with every sequence's first slot,
+  # written (cu + n C) // C: as cu // C + n, XLA computes it in a kernel of its own).
+  slots = jnp.arange(num_slots, dtype=jnp.int32)
+  first_slots = (cu_seqlens[:-1] + jnp.arange(N, dtype=cu_seqlens.dtype) * C) // C
+  seq = jnp.maximum(_search(first_slots, slots, "right") - 1, 0)
+  seq_len = cu_seqlens[seq + 1] - cu_seqlens[seq]
+  local = slots - (cu_seqlens[seq] // C + seq)
+  in_range = local < (seq_len + C - 1) // C
   i32 = lambda x: x.astype(jnp.int32)
   return jnp.stack([i32(cu_seqlens[n] // C + n), i32((lens + C - 1) // C), i32(cu_seqlens[n]), i32(lens),
                     i32(state_indices[n]), i32(has_initial_state[n]), i32(checkpoint_indptr[n]),
-                    i32(checkpoint_indptr[n + 1]), jnp.zeros_like(n), tok, rows])
+                    i32(checkpoint_indptr[n + 1]), jnp.zeros_like(n),
+                    i32(jnp.where(in_range, cu_seqlens[seq] + local * C, 0)),
+                    i32(jnp.where(in_range, jnp.clip(seq_len - local * C, 0, C), 0))])
 
 
 def _check_supported(K: int, V: int, v_blocks: int) -> None:
