@@ -44,22 +44,22 @@ def index_table(cu_seqlens: jax.Array, state_indices: jax.Array, has_initial_sta
   sum), and computed from them directly (a gather from a computed array would be a kernel of its own): XLA builds
   the table in one kernel."""
   N = state_indices.shape[0]
+  first_slot = lambda i: cu_seqlens[i] // C + i  # sequence i's first chunk slot
+  length = lambda i: cu_seqlens[i + 1] - cu_seqlens[i]
   n = jnp.minimum(jnp.arange(num_slots, dtype=jnp.int32), N - 1)
-  lens = cu_seqlens[n + 1] - cu_seqlens[n]
-  # Each slot's sequence: the last one starting at or before it (a comparison with every sequence's first slot,
-  # written (cu + n C) // C: as cu // C + n, XLA computes it in a kernel of its own).
+  # Each slot's sequence: the last one starting at or before it, by a comparison with every sequence's first slot
+  # (written (cu + i C) // C for the comparison: as first_slot there, XLA computes it in a kernel of its own).
   slots = jnp.arange(num_slots, dtype=jnp.int32)
-  first_slots = (cu_seqlens[:-1] + jnp.arange(N, dtype=cu_seqlens.dtype) * C) // C
-  seq = jnp.maximum(_search(first_slots, slots, "right") - 1, 0)
-  seq_len = cu_seqlens[seq + 1] - cu_seqlens[seq]
-  local = slots - (cu_seqlens[seq] // C + seq)
-  in_range = local < (seq_len + C - 1) // C
+  seq = jnp.maximum(_search((cu_seqlens[:-1] + jnp.arange(N, dtype=cu_seqlens.dtype) * C) // C, slots, "right") - 1,
+                    0)
+  local = slots - first_slot(seq)
+  in_range = local < (length(seq) + C - 1) // C
   i32 = lambda x: x.astype(jnp.int32)
-  return jnp.stack([i32(cu_seqlens[n] // C + n), i32((lens + C - 1) // C), i32(cu_seqlens[n]), i32(lens),
+  return jnp.stack([i32(first_slot(n)), i32((length(n) + C - 1) // C), i32(cu_seqlens[n]), i32(length(n)),
                     i32(state_indices[n]), i32(has_initial_state[n]), i32(checkpoint_indptr[n]),
                     i32(checkpoint_indptr[n + 1]), jnp.zeros_like(n),
                     i32(jnp.where(in_range, cu_seqlens[seq] + local * C, 0)),
-                    i32(jnp.where(in_range, jnp.clip(seq_len - local * C, 0, C), 0))])
+                    i32(jnp.where(in_range, jnp.clip(length(seq) - local * C, 0, C), 0))])
 
 
 def _check_supported(K: int, V: int, v_blocks: int) -> None:
