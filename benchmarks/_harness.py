@@ -1,12 +1,17 @@
 """What every benchmark shares: the H200's measured ceilings, CUPTI kernel timings, a GPU timeline of back-to-back
-calls, L2-busting rotations.
+calls, the SM clock and power while a measurement runs, L2-busting rotations.
 
 The ceilings are those measured on the H200 (benchmarks/RESULTS.md): a roofline fraction is a time against
 ``max(FLOPs / PEAK_BF16_FLOPS, bytes / COPY_BYTES_PER_S)``.
 """
 
 import contextlib
+import dataclasses
+import functools
+import os
 import pathlib
+import shutil
+import subprocess
 import tempfile
 
 import numpy as np
@@ -29,6 +34,76 @@ def cupti_kernels():
     yield records
   finally:
     records.extend(ext._cupti_get_timings(True))
+
+
+@dataclasses.dataclass
+class Clocks:
+  """What ``gpu_clocks`` sampled: medians of the SM clock (MHz) and the board power (W) over ``samples`` readings,
+  and the clock-event reasons seen (nvidia-smi's bit masks, e.g. ``0x4`` software power cap, ``0x1`` idle).
+  ``samples == 0``: nothing was read (no nvidia-smi, or the block ended before its first reading)."""
+
+  samples: int = 0
+  sm_mhz: float = float("nan")
+  power_w: float = float("nan")
+  reasons: tuple[str, ...] = ()
+
+
+CLOCK_FIELDS = "clocks.sm,power.draw,clocks_event_reasons.active"
+
+
+@functools.cache
+def _clock_fields(exe: str, gpu: str) -> str:
+  """``CLOCK_FIELDS``, or without the reasons where this driver's nvidia-smi does not know that field (it then
+  rejects the whole query)."""
+  probe = subprocess.run([exe, "-i", gpu, f"--query-gpu={CLOCK_FIELDS}", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=False)
+  return CLOCK_FIELDS if probe.returncode == 0 else CLOCK_FIELDS.rsplit(",", 1)[0]
+
+
+def parse_clocks(text: str) -> Clocks:
+  """``Clocks`` from nvidia-smi's ``--format=csv,noheader,nounits`` lines of ``CLOCK_FIELDS`` (lines that do not
+  parse, such as a reading cut by the sampler's end, are skipped)."""
+  mhz, watts, reasons = [], [], set()
+  for line in text.splitlines():
+    parts = [p.strip() for p in line.split(",")]
+    try:
+      clock, power = float(parts[0]), float(parts[1])
+    except (IndexError, ValueError):
+      continue
+    mhz.append(clock)
+    watts.append(power)
+    reasons.update(parts[2:3])
+  if not mhz:
+    return Clocks()
+  return Clocks(samples=len(mhz), sm_mhz=float(np.median(mhz)), power_w=float(np.median(watts)),
+                reasons=tuple(sorted(reasons)))
+
+
+@contextlib.contextmanager
+def gpu_clocks(interval_ms: int = 20):
+  """Samples the first visible GPU's SM clock, power and clock-event reasons every ``interval_ms`` with nvidia-smi
+  while the block runs; yields a ``Clocks`` filled in when the block ends (left empty without nvidia-smi).
+
+  Why: a kernel that keeps the tensor cores busy can reach the board's power cap over a stream of calls and run
+  below the 1.98 GHz boost clock, so two kernels timed over the same number of calls may not see the same clock;
+  the reading says which clock a time was measured at.
+  """
+  clocks = Clocks()
+  exe = shutil.which("nvidia-smi")
+  if exe is None:
+    yield clocks
+    return
+  gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+  query = [exe, "-i", gpu, f"--query-gpu={_clock_fields(exe, gpu)}", "--format=csv,noheader,nounits"]
+  proc = subprocess.Popen(query + ["-lms", str(interval_ms)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                          text=True)
+  try:
+    yield clocks
+  finally:
+    proc.terminate()
+    read = parse_clocks(proc.communicate()[0])
+    for field in dataclasses.fields(Clocks):
+      setattr(clocks, field.name, getattr(read, field.name))
 
 
 def gpu_events(profile) -> list[tuple[str, float, float]]:

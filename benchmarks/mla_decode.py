@@ -34,6 +34,11 @@ once per batch for all layers. Build it first (a few minutes; needs torch with C
 
 Without it (or with ``--no-flashmla``) the script prints why and times ours alone.
 
+``MHz`` is the median SM clock that nvidia-smi read while our calls were timed (``fmla MHz``: FlashMLA's better
+form); at 96-128 heads both kernels keep the tensor cores busy and may run at the board's power cap, below the
+1.98 GHz boost clock, so a time per call is only comparable with one taken at a similar clock. The JSON rows
+also hold the power (W), the clock-event reasons and ``kernel_us``, the Mosaic kernel's own device time (CUPTI).
+
 The full grid (54 kernel configurations, each compiled once) takes about five minutes on the H200; pass
 ``--batch/--context/--heads`` subsets to split it over several calls.
 """
@@ -53,7 +58,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks._harness import cupti_kernels  # noqa: E402
+from benchmarks._harness import cupti_kernels, gpu_clocks  # noqa: E402
 from pallas_kernels.mla import (MlaDecodeConfig, MlaDecodeTuning, api, cache_format, default_tuning,  # noqa: E402
                                 mla_decode)
 from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM  # noqa: E402
@@ -124,9 +129,10 @@ def to_torch(x: jax.Array):
     return torch.from_numpy(a).cuda()
 
 
-def time_flashmla(q, cache, table, lens) -> tuple[float, float | None, np.ndarray]:
+def time_flashmla(q, cache, table, lens) -> tuple[float, float | None, np.ndarray, dict]:
   """FlashMLA's dense decode on our inputs: (seconds per call as called, per call under CUDA-graph replay or None
-  where capture fails, its output ``[B, Hq, 512]`` as f32)."""
+  where capture fails, its output ``[B, Hq, 512]`` as f32, the ``Clocks`` of each form: ``{"called": ...,
+  "graph": ...}``)."""
   import flash_mla
   import torch
 
@@ -144,7 +150,9 @@ def time_flashmla(q, cache, table, lens) -> tuple[float, float | None, np.ndarra
 
   o = call()[:, 0].float().cpu().numpy()
   sync = lambda _: torch.cuda.synchronize()
-  called = time_call(call, sync=sync)
+  clocks = {}
+  with gpu_clocks() as clocks["called"]:
+    called = time_call(call, sync=sync)
   graph_s = None
   try:
     stream = torch.cuda.Stream()
@@ -156,10 +164,11 @@ def time_flashmla(q, cache, table, lens) -> tuple[float, float | None, np.ndarra
     with torch.cuda.graph(graph):
       for _ in range(GRAPH_CALLS):
         call()
-    graph_s = time_call(graph.replay, sync=sync) / GRAPH_CALLS
+    with gpu_clocks() as clocks["graph"]:
+      graph_s = time_call(graph.replay, sync=sync) / GRAPH_CALLS
   except Exception as e:  # a capture failure leaves the as-called time as FlashMLA's number
     print(f"  FlashMLA CUDA graph capture failed: {type(e).__name__}: {e}", flush=True)
-  return called, graph_s, o
+  return called, graph_s, o, clocks
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> tuple[float, float]:
@@ -170,8 +179,9 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> tuple[float, float]:
   return 2 * nbytes / copy / 1e12, nbytes / read / 1e12
 
 
-def merge_device_us(f, *args, calls: int = 20) -> tuple[float, float] | None:
-  """(us per call of the non-Mosaic kernels, their share of the call's device time), or None without CUPTI."""
+def merge_device_us(f, *args, calls: int = 20) -> tuple[float, float, float] | None:
+  """(us per call of the non-Mosaic kernels, their share of the call's device time, us per call of the Mosaic
+  kernels), or None without CUPTI."""
   if jax.devices()[0].platform != "gpu":
     return None
   jax.block_until_ready(f(*args))
@@ -181,7 +191,7 @@ def merge_device_us(f, *args, calls: int = 20) -> tuple[float, float] | None:
     jax.block_until_ready(out)
   total = sum(ms for _, ms in records)
   merge = sum(ms for name, ms in records if "mosaic" not in name)
-  return merge * 1e3 / calls, merge / total
+  return merge * 1e3 / calls, merge / total, (total - merge) * 1e3 / calls
 
 
 def make_cache(dtype, key, num_pages: int, block: int = 4096) -> jax.Array:
@@ -227,7 +237,8 @@ def main() -> None:
     print("the 64-row head tiles at every Hq (--wide)", flush=True)
   header = (f"{'B':>4} {'ctx':>7} {'Hq':>4} {'cache':>13} {'partial':>8} {'splits':>6} {'tiles':>6} {'time us':>9} "
             f"{'TB/s':>6} {'of copy':>7} {'merge us':>9} {'of call':>7} {'xla us':>9} {'speedup':>7} {'TFLOP/s':>7} "
-            f"{'fmla us':>9} {'graph us':>9} {'vs ours':>7} {'rel err':>8} {'fp8 err':>8} {'vs bf16':>7}")
+            f"{'MHz':>5} {'fmla us':>9} {'graph us':>9} {'vs ours':>7} {'rel err':>8} {'fmla MHz':>8} {'fp8 err':>8} "
+            f"{'vs bf16':>7}")
   print(header, flush=True)
   out = open(args.json, "a") if args.json else None
   for batch, context, heads in itertools.product(args.batch, args.context, args.heads):
@@ -241,7 +252,7 @@ def main() -> None:
       faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
       xla = jax.jit(lambda *a: mla_decode(*a, config=MlaDecodeConfig(scale=K3_MLA_SCALE, impl="xla")))
       xla_s = time_call(xla, q, cache, table, lens)
-    fmla = None  # (as called s, graph replay s or None, output) of FlashMLA on this shape
+    fmla = None  # time_flashmla's (as called s, graph replay s or None, output, clocks) on this shape
     if cache is not None and not flashmla_skip:
       faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
       try:
@@ -257,7 +268,8 @@ def main() -> None:
       config = MlaDecodeConfig(scale=K3_MLA_SCALE, partial_dtype=partial, impl=args.impl,
                                tuning=MlaDecodeTuning(narrow=False) if args.wide else None)
       f = jax.jit(lambda *a, config=config: mla_decode(*a, config=config))
-      sec = time_call(f, q, cache, table, lens)
+      with gpu_clocks() as clocks:
+        sec = time_call(f, q, cache, table, lens)
       kv_bytes = batch * context * cache.shape[-1] * cache.dtype.itemsize
       tbs = kv_bytes / sec / 1e12
       splits = api.effective_num_splits(pps, tuning.num_splits)
@@ -266,32 +278,38 @@ def main() -> None:
       row = dict(batch=batch, context=context, heads=heads, cache=cache_name, partial=jnp.dtype(partial).name,
                  splits=splits, narrow=narrow,
                  time_us=sec * 1e6, tbs=tbs, frac_copy=tbs / copy_tbs, merge_us=merge and merge[0],
-                 merge_frac=merge and merge[1], xla_us=None if xla_s is None else xla_s * 1e6,
+                 merge_frac=merge and merge[1], kernel_us=merge and merge[2],
+                 sm_mhz=clocks.sm_mhz, power_w=clocks.power_w, clock_reasons=clocks.reasons,
+                 flashmla_sm_mhz=None, flashmla_power_w=None,
+                 xla_us=None if xla_s is None else xla_s * 1e6,
                  tflops=flops / sec / 1e12, flashmla_us=None, flashmla_called_us=None, flashmla_graph_us=None,
                  flashmla_tflops=None, ratio_flashmla=None, flashmla_rel_err=None, vs_bf16=None, bf16_rel_err=None)
       bf16_run = cache_name == "bfloat16"
       xla_txt = (f"{xla_s * 1e6:9.1f} {xla_s / sec:6.1f}x" if xla_s is not None and bf16_run
                  else f"{'-':>9} {'-':>7}")
-      fmla_txt = f"{'-':>9} {'-':>9} {'-':>7} {'-':>8}"
+      fmla_txt = f"{'-':>9} {'-':>9} {'-':>7} {'-':>8} {'-':>8}"
       o_ours = np.asarray(f(q, cache, table, lens)[0].astype(jnp.float32))
       if bf16_run:
         bf16_sec, o_bf16 = sec, o_ours
       elif "bfloat16" in caches:
         row.update(vs_bf16=bf16_sec / sec, bf16_rel_err=rel_rms(o_ours, o_bf16))
       if fmla and bf16_run:
-        called, graph, o_fmla = fmla
+        called, graph, o_fmla, fmla_clocks = fmla
         best = min(t for t in (called, graph) if t is not None)
+        best_clocks = fmla_clocks["graph" if best == graph else "called"]
         row.update(flashmla_us=best * 1e6, flashmla_called_us=called * 1e6,
                    flashmla_graph_us=None if graph is None else graph * 1e6, flashmla_tflops=flops / best / 1e12,
-                   ratio_flashmla=best / sec, flashmla_rel_err=rel_rms(o_fmla, o_ours))
+                   ratio_flashmla=best / sec, flashmla_rel_err=rel_rms(o_fmla, o_ours),
+                   flashmla_sm_mhz=best_clocks.sm_mhz, flashmla_power_w=best_clocks.power_w)
         graph_txt = f"{graph * 1e6:9.1f}" if graph is not None else f"{'-':>9}"
-        fmla_txt = f"{called * 1e6:9.1f} {graph_txt} {best / sec:6.2f}x {row['flashmla_rel_err']:8.1e}"
+        fmla_txt = (f"{called * 1e6:9.1f} {graph_txt} {best / sec:6.2f}x {row['flashmla_rel_err']:8.1e} "
+                    f"{best_clocks.sm_mhz:8.0f}")
       vs_txt = (f"{row['bf16_rel_err']:8.1e} {row['vs_bf16']:6.2f}x" if row["vs_bf16"] is not None
                 else f"{'-':>8} {'-':>7}")
       tiles = "narrow" if narrow else "64-row"
       print(f"{batch:4d} {context:7d} {heads:4d} {cache_name:>13} {row['partial']:>8} {splits:6d} {tiles:>6} "
             f"{sec * 1e6:9.1f} {tbs:6.2f} {tbs / copy_tbs:7.0%} {merge_txt} {xla_txt} {row['tflops']:7.1f} "
-            f"{fmla_txt} {vs_txt}", flush=True)
+            f"{clocks.sm_mhz:5.0f} {fmla_txt} {vs_txt}", flush=True)
       if out:
         out.write(json.dumps(row) + "\n")
         out.flush()

@@ -1,13 +1,14 @@
 """CPU smoke runs of benchmarks/mla_prefill.py, benchmarks/long_prompt.py and benchmarks/prefix_cache.py at tiny
 sizes (f32, impl xla), kernel_profile.py's trace summary on a made-up trace, kda_prefill.py's paired
 overheads and kernel overheads on scripted times and its SMEM padding in interpret mode, and the harness's GPU
-timeline on made-up profiles."""
+timeline on made-up profiles and its clock sampler on a stand-in nvidia-smi."""
 
 import argparse
 import contextlib
 import json
 import pathlib
 import sys
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -273,6 +274,52 @@ def test_gpu_timeline_reads_the_profile_of_the_calls():
   with pytest.raises(ValueError, match="no GPU plane"):
     _harness.gpu_timeline(run, calls=3)
   assert calls == [2, 3]
+
+
+def test_gpu_clocks_reads_nvidia_smi_while_the_block_runs(tmp_path, monkeypatch):
+  """A stand-in nvidia-smi prints three readings and a cut one, then runs until the sampler stops it."""
+  args = tmp_path / "args"
+  fake = tmp_path / "nvidia-smi"
+  fake.write_text(f'''#!/bin/sh
+case "$*" in *-lms*) ;; *) echo "1980, 80.0, 0x1"; exit 0;; esac
+echo "$@" > {args}
+echo "1980, 650.5, 0x0000000000000004"
+echo "1755, 699.9, 0x0000000000000004"
+echo "1830, 690.0, 0x0000000000000000"
+echo "18"
+exec sleep 60
+''')
+  fake.chmod(0o755)
+  monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+  with _harness.gpu_clocks(interval_ms=5) as clocks:
+    assert clocks.samples == 0
+    for _ in range(200):  # until the stand-in has written its readings (it stays alive, as nvidia-smi -lms does)
+      if args.exists():
+        break
+      time.sleep(0.05)
+    time.sleep(0.2)
+  assert (clocks.samples, clocks.sm_mhz, clocks.power_w) == (3, 1830.0, 690.0)
+  assert clocks.reasons == ("0x0000000000000000", "0x0000000000000004")
+  assert args.read_text().split() == ["-i", "3", f"--query-gpu={_harness.CLOCK_FIELDS}",
+                                      "--format=csv,noheader,nounits", "-lms", "5"]
+
+
+def test_gpu_clocks_leave_out_a_field_the_driver_rejects(tmp_path):
+  fake = tmp_path / "nvidia-smi"
+  fake.write_text('''#!/bin/sh
+case "$*" in *clocks_event_reasons*) echo "Field is not a valid field to query."; exit 2;; esac
+''')
+  fake.chmod(0o755)
+  assert _harness._clock_fields(str(fake), "0") == "clocks.sm,power.draw"
+
+
+def test_gpu_clocks_without_nvidia_smi_reads_nothing(tmp_path, monkeypatch):
+  monkeypatch.setenv("PATH", str(tmp_path))
+  with _harness.gpu_clocks() as clocks:
+    pass
+  assert clocks.samples == 0 and np.isnan(clocks.sm_mhz) and clocks.reasons == ()
+  assert _harness.parse_clocks("[N/A], 650\n") == _harness.Clocks()
 
 
 def test_timeline_summary_splits_calls_into_kernels_and_idle_time():
