@@ -83,6 +83,13 @@ def test_benchmark_summaries_quote_peer_ratios(tmp_path: pathlib.Path):
   assert "Hq=16 narrow float32 292.0 us, 98% of copy;" in summary
   assert "Hq=16 float8_e4m3fn cache float32 160.0 us, 93% of copy, 1.83x bf16 cache;" in summary
   assert summary.endswith("Hq=128 float32 600.0 us, 47% of copy, 0.87x FlashMLA")
+  # With the SM clocks that mla_decode.py reads (NaN where nvidia-smi gave none): each side's, where finite.
+  path.write_text("\n".join(json.dumps(dict(batch=32, context=32768, heads=128, cache="bfloat16", partial="bfloat16",
+                                            time_us=575.0, frac_copy=0.47, ratio_flashmla=0.9, sm_mhz=m,
+                                            flashmla_sm_mhz=fm)) for m, fm in ((1755.0, 1830.0), (float("nan"), None))))
+  assert gpu_check._mla_decode("", path) == ("B=32 ctx=32768 Hq=128 bfloat16 575.0 us at 1755 MHz, 47% of copy, "
+                                             "0.90x FlashMLA at 1830 MHz; B=32 ctx=32768 Hq=128 bfloat16 575.0 us, "
+                                             "47% of copy, 0.90x FlashMLA")
 
 
 def test_a_single_json_line_is_one_row(tmp_path: pathlib.Path):

@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import pathlib
 import re
@@ -83,6 +84,12 @@ def _ratio(row: dict, key: str, peer: str) -> str:
   return f", {row[key]:.2f}x {peer}" if row.get(key) is not None else ""
 
 
+def _mhz(row: dict, key: str) -> str:
+  """`` at N MHz`` where the row holds a finite SM clock under ``key`` (benchmarks/_harness.py ``gpu_clocks``)."""
+  mhz = row.get(key)
+  return f" at {mhz:.0f} MHz" if mhz is not None and math.isfinite(mhz) else ""
+
+
 def _each(fmt: Callable[[dict], str]) -> Callable[[str, pathlib.Path], str]:
   """A benchmark summariser: ``fmt`` of every row of its JSON, joined."""
   return lambda _, path: "; ".join(fmt(r) for r in _rows(path))
@@ -104,8 +111,9 @@ _short_conv = _each(lambda r: f"{r['phase']} N={r['N']} H={r['H']} {r['conv_us']
 _mla_decode = _each(lambda r: f"B={r['batch']} ctx={r['context']} Hq={r['heads']} "
                               f"{'narrow ' if r.get('narrow') else ''}"
                               f"{'' if r.get('cache', 'bfloat16') == 'bfloat16' else r['cache'] + ' cache '}"
-                              f"{r['partial']} {r['time_us']:.1f} us, {r['frac_copy']:.0%} of copy"
-                              f"{_ratio(r, 'ratio_flashmla', 'FlashMLA')}{_ratio(r, 'vs_bf16', 'bf16 cache')}")
+                              f"{r['partial']} {r['time_us']:.1f} us{_mhz(r, 'sm_mhz')}, {r['frac_copy']:.0%} of copy"
+                              f"{_ratio(r, 'ratio_flashmla', 'FlashMLA')}{_mhz(r, 'flashmla_sm_mhz')}"
+                              f"{_ratio(r, 'vs_bf16', 'bf16 cache')}")
 
 
 def _mla_prefill(_: str, path: pathlib.Path) -> str:
