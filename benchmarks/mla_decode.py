@@ -2,11 +2,11 @@
 
 Run on the GPU machine from the repository root: ``PYTHONPATH=. python3 benchmarks/mla_decode.py``.
 bf16 cache ``[pages, 64, 576]`` with every sequence's pages scattered over the whole cache (ids beyond
-65535), all sequences at full length. For each (B, context, Hq, partial dtype) it prints the time of one
-``mla_decode`` call (kernel + merge; median over repetitions of back-to-back calls, so host dispatch is
-hidden except for the smallest problems), the achieved bandwidth counting the KV bytes once
-(``B * context * 576 * 2``), and its fraction of the device-to-device copy bandwidth measured in the same
-run (bytes read + written by a 2 GiB ``jnp.copy``). The plain-XLA path (``impl="xla"``, the split-K
+65535), all sequences at full length (``--ragged``: below). For each (B, context, Hq, partial dtype) it prints the
+time of one ``mla_decode`` call (kernel + merge; median over repetitions of back-to-back calls, so host dispatch
+is hidden except for the smallest problems), the achieved bandwidth counting the KV bytes once (``B * context *
+576 * 2``), and its fraction of the device-to-device copy bandwidth measured in the same run (bytes read +
+written by a 2 GiB ``jnp.copy``). The plain-XLA path (``impl="xla"``, the split-K
 reference) is timed where its f32 intermediates fit comfortably (at most 1M tokens).
 
 ``merge us`` is the device time (CUPTI) of the XLA kernels of one ``mla_decode`` call, i.e. everything but the
@@ -15,6 +15,12 @@ device time: the most a merge kernel could save (issue [5/9] item 3 asks for one
 Printed as ``-`` where CUPTI is not available (interpret mode on a CPU).
 
 ``TFLOP/s`` counts ``2 * B * Hq * context * (576 + 512)`` FLOPs per call (QK^T over 576, PV over 512).
+
+``--ragged`` draws each sequence's length from ``[1, context]`` (the same batch in every run) instead of all at
+``context``, as a serving batch mixes contexts: our splits are a static share of the block table's columns, so
+the longest sequence sets the call's time, while FlashMLA's scheduling metadata balances the tokens over the SMs.
+Bytes and FLOPs then count the tokens actually cached. ``--splits`` times the given split counts instead of the
+heuristic's: more splits spread the longest sequence over more SMs, for more partials to merge.
 
 ``--cache-dtypes bfloat16 float8_e4m3fn`` also times an fp8 cache (``cache_format``: 640 bytes per token, the
 same random values quantised page block by page block) with the same pages, q and lengths: its bandwidth counts
@@ -45,6 +51,7 @@ The full grid (54 kernel configurations, each compiled once) takes about five mi
 
 import argparse
 import faulthandler
+import heapq
 import itertools
 import json
 import os
@@ -59,9 +66,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks._harness import cupti_kernels, gpu_clocks  # noqa: E402
+from pallas_kernels import util  # noqa: E402
 from pallas_kernels.mla import (MlaDecodeConfig, MlaDecodeTuning, api, cache_format, default_tuning,  # noqa: E402
-                                mla_decode)
-from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM  # noqa: E402
+                                mla_decode, reference)
+from pallas_kernels.mla.config import HEAD_TILE, LATENT_DIM, PAGE_SIZE, ROPE_DIM  # noqa: E402
 from pallas_kernels.testing import K3_MLA_SCALE  # noqa: E402
 
 DIM = LATENT_DIM + ROPE_DIM
@@ -87,9 +95,45 @@ def time_call(f, *args, budget_s: float = 0.25, reps: int = 3, sync=jax.block_un
   return statistics.median(samples)
 
 
-def decode_flops(batch: int, heads: int, context: int) -> int:
-  """FLOPs of one decode step: QK^T over the 576 latent + rope columns, PV over the 512 latent ones."""
-  return 2 * batch * heads * context * (DIM + LATENT_DIM)
+def decode_flops(heads: int, tokens: int) -> int:
+  """FLOPs of one decode step over ``tokens`` cached tokens in all: QK^T over the 576 latent + rope columns, PV over
+  the 512 latent ones."""
+  return 2 * heads * tokens * (DIM + LATENT_DIM)
+
+
+PROGRAM_OVERHEAD_PAGES = 2.0  # a program's own cost beyond its pages (q load, epilogue, partial store): a guess
+EMPTY_PROGRAM_PAGES = 0.2
+
+
+def modelled_page_times(lens: np.ndarray, max_pages: int, splits: int, tiles: int, *, balanced: bool = False,
+                        sms: int = util.NUM_SMS) -> float:
+  """The call's modelled makespan in page-times: the grid's programs (split, sequence, head tile; the tiles
+  fastest) taken in launch order by the first free of ``sms`` SMs, one program per SM, each lasting its pages
+  plus ``PROGRAM_OVERHEAD_PAGES`` (``EMPTY_PROGRAM_PAGES`` when it has none). A model of how evenly a batch's
+  tokens spread over the SMs, for the ratio between a ragged batch and a full one, not a time.
+
+  ``balanced``: a design not built, for comparison: the same budget of ``splits * B`` programs a head tile spread
+  over the sequences by the pages they hold (``W = ceil(pages / (splits * B))`` pages a program, sequence b
+  taking ``ceil(pages_b / W)`` programs), so that a long sequence gets more programs than a short one; on a batch
+  of full sequences it is the grid of today."""
+  pages = [-(-int(length) // PAGE_SIZE) for length in lens]
+  if balanced:
+    width = max(1, -(-sum(pages) // (splits * len(pages))))
+    work = [min(width, p - j * width) for p in pages for j in range(max(1, -(-p // width)))]
+  else:
+    pps = reference.pages_per_split(max_pages, splits)
+    work = [min(max(p - s * pps, 0), pps) for s in range(splits) for p in pages]
+  free = [0.0] * sms
+  for n in work:
+    for _ in range(tiles):
+      heapq.heappush(free, heapq.heappop(free) + (n + PROGRAM_OVERHEAD_PAGES if n else EMPTY_PROGRAM_PAGES))
+  return max(free)
+
+
+def ragged_lengths(batch: int, context: int, seed: int = 0) -> np.ndarray:
+  """``[batch]`` int32 lengths drawn uniformly from ``[1, context]`` (a fixed seed: the same batch in every run), as
+  a serving batch mixes short and long contexts."""
+  return np.random.default_rng(seed).integers(1, context, size=batch, endpoint=True).astype(np.int32)
 
 
 def rel_rms(a: np.ndarray, ref: np.ndarray) -> float:
@@ -215,6 +259,10 @@ def main() -> None:
   parser.add_argument("--copy-gib", type=float, default=2.0, help="array size of the copy measurement")
   parser.add_argument("--json", help="also append one JSON line per measurement to this file")
   parser.add_argument("--no-flashmla", action="store_true", help="time ours alone, without the FlashMLA column")
+  parser.add_argument("--ragged", action="store_true",
+                      help="lengths drawn from [1, context] (`ragged_lengths`) instead of all at the context")
+  parser.add_argument("--splits", type=int, nargs="+", default=[None],
+                      help="num_splits values to time (default: the heuristic's, `api.choose_num_splits`)")
   parser.add_argument("--wide", action="store_true",
                       help="the 64-row head tiles everywhere (the default tuning takes the narrow, transposed "
                            "kernel where it applies: a bf16 cache and Hq <= 32)")
@@ -244,7 +292,10 @@ def main() -> None:
   for batch, context, heads in itertools.product(args.batch, args.context, args.heads):
     pps = context // PAGE_SIZE
     table = order[: batch * pps].reshape(batch, pps)
-    lens = jnp.full((batch,), context, jnp.int32)
+    lens = jnp.asarray(ragged_lengths(batch, context) if args.ragged else np.full(batch, context, np.int32))
+    tokens = int(np.sum(lens))
+    if args.ragged:
+      print(f"ragged lengths, {tokens} tokens (mean {tokens / batch:.0f}, max {int(np.max(lens))})", flush=True)
     q = jax.random.normal(kq, (batch, heads, DIM), jnp.bfloat16)
     cache = caches.get("bfloat16")
     xla_s = None
@@ -260,23 +311,26 @@ def main() -> None:
       except Exception as e:  # keep our numbers when FlashMLA fails; it is not tried again
         flashmla_skip = f"failed: {type(e).__name__}: {e}"
         print(f"FlashMLA {flashmla_skip}; timing ours alone from here", flush=True)
-    flops = decode_flops(batch, heads, context)
-    for partial, (cache_name, cache) in itertools.product((jnp.bfloat16, jnp.float32), caches.items()):
+    flops = decode_flops(heads, tokens)
+    for partial, num_splits, (cache_name, cache) in itertools.product((jnp.bfloat16, jnp.float32), args.splits,
+                                                                      caches.items()):
       faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
       tuning = default_tuning(batch, heads, pps, cache_dtype=cache.dtype)
       narrow = tuning.narrow and not args.wide
       config = MlaDecodeConfig(scale=K3_MLA_SCALE, partial_dtype=partial, impl=args.impl,
-                               tuning=MlaDecodeTuning(narrow=False) if args.wide else None)
+                               tuning=MlaDecodeTuning(num_splits=num_splits, narrow=False if args.wide else None))
       f = jax.jit(lambda *a, config=config: mla_decode(*a, config=config))
       with gpu_clocks() as clocks:
         sec = time_call(f, q, cache, table, lens)
-      kv_bytes = batch * context * cache.shape[-1] * cache.dtype.itemsize
+      kv_bytes = tokens * cache.shape[-1] * cache.dtype.itemsize
       tbs = kv_bytes / sec / 1e12
-      splits = api.effective_num_splits(pps, tuning.num_splits)
+      splits = api.effective_num_splits(pps, num_splits or tuning.num_splits)
       merge = merge_device_us(f, q, cache, table, lens)
       merge_txt = f"{merge[0]:9.1f} {merge[1]:7.1%}" if merge else f"{'-':>9} {'-':>7}"
+      head_tiles = 1 if narrow else util.cdiv(heads, HEAD_TILE)
       row = dict(batch=batch, context=context, heads=heads, cache=cache_name, partial=jnp.dtype(partial).name,
-                 splits=splits, narrow=narrow,
+                 splits=splits, narrow=narrow, ragged=args.ragged, tokens=tokens,
+                 model_page_times=modelled_page_times(np.asarray(lens), pps, splits, head_tiles),
                  time_us=sec * 1e6, tbs=tbs, frac_copy=tbs / copy_tbs, merge_us=merge and merge[0],
                  merge_frac=merge and merge[1], kernel_us=merge and merge[2],
                  sm_mhz=clocks.sm_mhz, power_w=clocks.power_w, clock_reasons=clocks.reasons,
@@ -289,7 +343,7 @@ def main() -> None:
                  else f"{'-':>9} {'-':>7}")
       fmla_txt = f"{'-':>9} {'-':>9} {'-':>7} {'-':>8} {'-':>8}"
       o_ours = np.asarray(f(q, cache, table, lens)[0].astype(jnp.float32))
-      if bf16_run:
+      if bf16_run:  # the caches are the innermost loop: each fp8 row follows its bf16 row of the same tuning
         bf16_sec, o_bf16 = sec, o_ours
       elif "bfloat16" in caches:
         row.update(vs_bf16=bf16_sec / sec, bf16_rel_err=rel_rms(o_ours, o_bf16))

@@ -1,7 +1,7 @@
-"""CPU smoke runs of benchmarks/mla_prefill.py, benchmarks/long_prompt.py and benchmarks/prefix_cache.py at tiny
-sizes (f32, impl xla), kernel_profile.py's trace summary on a made-up trace, kda_prefill.py's paired
-overheads and kernel overheads on scripted times and its SMEM padding in interpret mode, and the harness's GPU
-timeline on made-up profiles and its clock sampler on a stand-in nvidia-smi."""
+"""CPU smoke runs of benchmarks/mla_prefill.py, benchmarks/mla_decode.py, benchmarks/long_prompt.py and
+benchmarks/prefix_cache.py at tiny sizes (impl xla), kernel_profile.py's trace summary on a made-up trace,
+kda_prefill.py's paired overheads and kernel overheads on scripted times and its SMEM padding in interpret mode,
+and the harness's GPU timeline on made-up profiles and its clock sampler on a stand-in nvidia-smi."""
 
 import argparse
 import contextlib
@@ -20,7 +20,8 @@ _ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
-from benchmarks import _harness, kda_prefill, kernel_profile, long_prompt, mla_prefill, prefix_cache  # noqa: E402
+from benchmarks import (_harness, kda_prefill, kernel_profile, long_prompt, mla_decode, mla_prefill,  # noqa: E402
+                        prefix_cache)
 from pallas_kernels import util  # noqa: E402
 
 
@@ -50,6 +51,41 @@ def test_mla_prefill_smoke(tmp_path, capsys):
   assert len(dense) == 2 and all(r["status"] == "ok" and r["v_dim"] == 192 and r["rel_rmse"] < 1e-5
                                  for r in dense), dense
   assert "ours (xla)" in out and "TFLOP/s" in out and "skipped: cpu backend" in out
+
+
+def test_mla_decode_ragged_smoke(tmp_path, monkeypatch, capfd):
+  """``--ragged``: lengths from one fixed draw in [1, context]; bytes and FLOPs count the tokens actually cached;
+  ``--splits`` times each split count given."""
+  lens = mla_decode.ragged_lengths(8, 256)
+  assert lens.dtype == np.int32 and lens.min() >= 1 and lens.max() <= 256 and len(set(lens.tolist())) > 1
+  np.testing.assert_array_equal(lens, mla_decode.ragged_lengths(8, 256))
+  out = tmp_path / "rows.json"
+  monkeypatch.setattr(sys, "argv", ["mla_decode.py", "--impl", "xla", "--batch", "8", "--context", "256", "--heads",
+                                    "16", "--no-flashmla", "--copy-gib", "0.001", "--ragged", "--splits", "1", "4",
+                                    "--json", str(out)])
+  mla_decode.main()
+  assert f"ragged lengths, {lens.sum()} tokens" in capfd.readouterr().out  # fd capture: faulthandler needs one
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [(r["partial"], r["splits"]) for r in rows] == [("bfloat16", 1), ("bfloat16", 4), ("float32", 1),
+                                                         ("float32", 4)]
+  for r in rows:
+    assert r["ragged"] and r["tokens"] == lens.sum()
+    assert r["tflops"] * 1e12 * r["time_us"] * 1e-6 == pytest.approx(mla_decode.decode_flops(16, int(lens.sum())))
+    assert r["tbs"] * 1e12 * r["time_us"] * 1e-6 == pytest.approx(lens.sum() * 576 * 2)
+
+
+def test_mla_decode_models_how_a_batch_spreads_over_the_sms():
+  """Page-times of the grid's programs list-scheduled on 132 SMs: a full batch at S = 2 is one wave of 256-page
+  programs (4 SMs idle); a ragged batch at S = 2 is set by its longest sequence, at S = 8 spread wider."""
+  full, ragged = np.full(32, 32768), mla_decode.ragged_lengths(32, 32768)
+  assert [mla_decode.modelled_page_times(full, 512, s, 2) for s in (2, 8)] == [258.0, 264.0]
+  assert [round(mla_decode.modelled_page_times(ragged, 512, s, 2)) for s in (2, 4, 8)] == [258, 191, 162]
+  assert mla_decode.modelled_page_times(np.zeros(4), 512, 2, 1) == pytest.approx(0.2)
+  # The balanced budget: the grid of today on full sequences; one 32K sequence among 2K ones no longer waits on
+  # its two 256-page programs.
+  one_long = np.array([32768] + [2048] * 31)
+  assert mla_decode.modelled_page_times(full, 512, 2, 2, balanced=True) == 258.0
+  assert [round(mla_decode.modelled_page_times(one_long, 512, 2, 2, balanced=b)) for b in (False, True)] == [258, 36]
 
 
 def test_tunings_argument():
