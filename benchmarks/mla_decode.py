@@ -20,7 +20,9 @@ Printed as ``-`` where CUPTI is not available (interpret mode on a CPU).
 ``context``, as a serving batch mixes contexts: our splits are a static share of the block table's columns, so
 the longest sequence sets the call's time, while FlashMLA's scheduling metadata balances the tokens over the SMs.
 Bytes and FLOPs then count the tokens actually cached. ``--splits`` times the given split counts instead of the
-heuristic's: more splits spread the longest sequence over more SMs, for more partials to merge.
+heuristic's, and ``--layouts balanced equal`` both split layouts (``MlaDecodeTuning.balanced``); ``splits`` is the
+budget S (the balanced grid has up to 2 S splits). The JSON rows carry ``model_page_times``, the layout's
+``modelled_page_times``.
 
 ``--cache-dtypes bfloat16 float8_e4m3fn`` also times an fp8 cache (``cache_format``: 640 bytes per token, the
 same random values quantised page block by page block) with the same pages, q and lengths: its bandwidth counts
@@ -112,21 +114,22 @@ def modelled_page_times(lens: np.ndarray, max_pages: int, splits: int, tiles: in
   plus ``PROGRAM_OVERHEAD_PAGES`` (``EMPTY_PROGRAM_PAGES`` when it has none). A model of how evenly a batch's
   tokens spread over the SMs, for the ratio between a ragged batch and a full one, not a time.
 
-  ``balanced``: a design not built, for comparison: the same budget of ``splits * B`` programs a head tile spread
-  over the sequences by the pages they hold (``W = ceil(pages / (splits * B))`` pages a program, sequence b
-  taking ``ceil(pages_b / W)`` programs), so that a long sequence gets more programs than a short one; on a batch
-  of full sequences it is the grid of today."""
-  pages = [-(-int(length) // PAGE_SIZE) for length in lens]
+  ``splits``: the budget S (``api.choose_num_splits``'s). ``balanced``: the kernels' balanced splits (``2 S``
+  splits of ``reference.balanced_split_width`` pages); otherwise S equal splits of the block table's columns."""
+  pages = -(-np.asarray(lens, np.int64) // PAGE_SIZE)
   if balanced:
-    width = max(1, -(-sum(pages) // (splits * len(pages))))
-    work = [min(width, p - j * width) for p in pages for j in range(max(1, -(-p // width)))]
+    capacity = api.effective_num_splits(max_pages, 2 * splits)
+    widths = np.asarray(reference.balanced_split_width(int(pages.sum()), pages, max_pages=max_pages, budget=splits,
+                                                       batch=len(pages), num_splits=capacity))
   else:
-    pps = reference.pages_per_split(max_pages, splits)
-    work = [min(max(p - s * pps, 0), pps) for s in range(splits) for p in pages]
+    capacity = splits
+    widths = np.full(len(pages), reference.pages_per_split(max_pages, splits))
   free = [0.0] * sms
-  for n in work:
-    for _ in range(tiles):
-      heapq.heappush(free, heapq.heappop(free) + (n + PROGRAM_OVERHEAD_PAGES if n else EMPTY_PROGRAM_PAGES))
+  for j in range(capacity):
+    for p, w in zip(pages, widths):
+      n = min(max(int(p) - j * int(w), 0), int(w))
+      for _ in range(tiles):
+        heapq.heappush(free, heapq.heappop(free) + (n + PROGRAM_OVERHEAD_PAGES if n else EMPTY_PROGRAM_PAGES))
   return max(free)
 
 
@@ -263,6 +266,9 @@ def main() -> None:
                       help="lengths drawn from [1, context] (`ragged_lengths`) instead of all at the context")
   parser.add_argument("--splits", type=int, nargs="+", default=[None],
                       help="num_splits values to time (default: the heuristic's, `api.choose_num_splits`)")
+  parser.add_argument("--layouts", nargs="+", choices=("balanced", "equal"), default=["balanced"],
+                      help="split layouts to time: spread by pages (`MlaDecodeTuning.balanced`, the default) or "
+                           "equal splits of the block table's columns")
   parser.add_argument("--wide", action="store_true",
                       help="the 64-row head tiles everywhere (the default tuning takes the narrow, transposed "
                            "kernel where it applies: a bf16 cache and Hq <= 32)")
@@ -283,7 +289,8 @@ def main() -> None:
                                  caches.items()) + "\n", flush=True)
   if args.wide:
     print("the 64-row head tiles at every Hq (--wide)", flush=True)
-  header = (f"{'B':>4} {'ctx':>7} {'Hq':>4} {'cache':>13} {'partial':>8} {'splits':>6} {'tiles':>6} {'time us':>9} "
+  header = (f"{'B':>4} {'ctx':>7} {'Hq':>4} {'cache':>13} {'partial':>8} {'splits':>6} {'layout':>8} {'tiles':>6} "
+            f"{'time us':>9} "
             f"{'TB/s':>6} {'of copy':>7} {'merge us':>9} {'of call':>7} {'xla us':>9} {'speedup':>7} {'TFLOP/s':>7} "
             f"{'MHz':>5} {'fmla us':>9} {'graph us':>9} {'vs ours':>7} {'rel err':>8} {'fmla MHz':>8} {'fp8 err':>8} "
             f"{'vs bf16':>7}")
@@ -312,13 +319,14 @@ def main() -> None:
         flashmla_skip = f"failed: {type(e).__name__}: {e}"
         print(f"FlashMLA {flashmla_skip}; timing ours alone from here", flush=True)
     flops = decode_flops(heads, tokens)
-    for partial, num_splits, (cache_name, cache) in itertools.product((jnp.bfloat16, jnp.float32), args.splits,
-                                                                      caches.items()):
+    for partial, num_splits, layout, (cache_name, cache) in itertools.product(
+        (jnp.bfloat16, jnp.float32), args.splits, args.layouts, caches.items()):
       faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
       tuning = default_tuning(batch, heads, pps, cache_dtype=cache.dtype)
       narrow = tuning.narrow and not args.wide
       config = MlaDecodeConfig(scale=K3_MLA_SCALE, partial_dtype=partial, impl=args.impl,
-                               tuning=MlaDecodeTuning(num_splits=num_splits, narrow=False if args.wide else None))
+                               tuning=MlaDecodeTuning(num_splits=num_splits, narrow=False if args.wide else None,
+                                                      balanced=layout == "balanced"))
       f = jax.jit(lambda *a, config=config: mla_decode(*a, config=config))
       with gpu_clocks() as clocks:
         sec = time_call(f, q, cache, table, lens)
@@ -329,8 +337,9 @@ def main() -> None:
       merge_txt = f"{merge[0]:9.1f} {merge[1]:7.1%}" if merge else f"{'-':>9} {'-':>7}"
       head_tiles = 1 if narrow else util.cdiv(heads, HEAD_TILE)
       row = dict(batch=batch, context=context, heads=heads, cache=cache_name, partial=jnp.dtype(partial).name,
-                 splits=splits, narrow=narrow, ragged=args.ragged, tokens=tokens,
-                 model_page_times=modelled_page_times(np.asarray(lens), pps, splits, head_tiles),
+                 splits=splits, narrow=narrow, layout=layout, ragged=args.ragged, tokens=tokens,
+                 model_page_times=modelled_page_times(np.asarray(lens), pps, splits, head_tiles,
+                                                      balanced=layout == "balanced"),
                  time_us=sec * 1e6, tbs=tbs, frac_copy=tbs / copy_tbs, merge_us=merge and merge[0],
                  merge_frac=merge and merge[1], kernel_us=merge and merge[2],
                  sm_mhz=clocks.sm_mhz, power_w=clocks.power_w, clock_reasons=clocks.reasons,
@@ -361,8 +370,8 @@ def main() -> None:
       vs_txt = (f"{row['bf16_rel_err']:8.1e} {row['vs_bf16']:6.2f}x" if row["vs_bf16"] is not None
                 else f"{'-':>8} {'-':>7}")
       tiles = "narrow" if narrow else "64-row"
-      print(f"{batch:4d} {context:7d} {heads:4d} {cache_name:>13} {row['partial']:>8} {splits:6d} {tiles:>6} "
-            f"{sec * 1e6:9.1f} {tbs:6.2f} {tbs / copy_tbs:7.0%} {merge_txt} {xla_txt} {row['tflops']:7.1f} "
+      print(f"{batch:4d} {context:7d} {heads:4d} {cache_name:>13} {row['partial']:>8} {splits:6d} {layout:>8} "
+            f"{tiles:>6} {sec * 1e6:9.1f} {tbs:6.2f} {tbs / copy_tbs:7.0%} {merge_txt} {xla_txt} {row['tflops']:7.1f} "
             f"{clocks.sm_mhz:5.0f} {fmla_txt} {vs_txt}", flush=True)
       if out:
         out.write(json.dumps(row) + "\n")

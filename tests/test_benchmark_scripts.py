@@ -55,19 +55,19 @@ def test_mla_prefill_smoke(tmp_path, capsys):
 
 def test_mla_decode_ragged_smoke(tmp_path, monkeypatch, capfd):
   """``--ragged``: lengths from one fixed draw in [1, context]; bytes and FLOPs count the tokens actually cached;
-  ``--splits`` times each split count given."""
+  ``--splits`` and ``--layouts`` time each split count and layout given."""
   lens = mla_decode.ragged_lengths(8, 256)
   assert lens.dtype == np.int32 and lens.min() >= 1 and lens.max() <= 256 and len(set(lens.tolist())) > 1
   np.testing.assert_array_equal(lens, mla_decode.ragged_lengths(8, 256))
   out = tmp_path / "rows.json"
   monkeypatch.setattr(sys, "argv", ["mla_decode.py", "--impl", "xla", "--batch", "8", "--context", "256", "--heads",
-                                    "16", "--no-flashmla", "--copy-gib", "0.001", "--ragged", "--splits", "1", "4",
-                                    "--json", str(out)])
+                                    "16", "--no-flashmla", "--copy-gib", "0.001", "--ragged", "--splits", "4",
+                                    "--layouts", "balanced", "equal", "--json", str(out)])
   mla_decode.main()
   assert f"ragged lengths, {lens.sum()} tokens" in capfd.readouterr().out  # fd capture: faulthandler needs one
   rows = [json.loads(line) for line in out.read_text().splitlines()]
-  assert [(r["partial"], r["splits"]) for r in rows] == [("bfloat16", 1), ("bfloat16", 4), ("float32", 1),
-                                                         ("float32", 4)]
+  assert [(r["partial"], r["splits"], r["layout"]) for r in rows] == [
+      (p, 4, layout) for p in ("bfloat16", "float32") for layout in ("balanced", "equal")]
   for r in rows:
     assert r["ragged"] and r["tokens"] == lens.sum()
     assert r["tflops"] * 1e12 * r["time_us"] * 1e-6 == pytest.approx(mla_decode.decode_flops(16, int(lens.sum())))
@@ -81,11 +81,11 @@ def test_mla_decode_models_how_a_batch_spreads_over_the_sms():
   assert [mla_decode.modelled_page_times(full, 512, s, 2) for s in (2, 8)] == [258.0, 264.0]
   assert [round(mla_decode.modelled_page_times(ragged, 512, s, 2)) for s in (2, 4, 8)] == [258, 191, 162]
   assert mla_decode.modelled_page_times(np.zeros(4), 512, 2, 1) == pytest.approx(0.2)
-  # The balanced budget: the grid of today on full sequences; one 32K sequence among 2K ones no longer waits on
-  # its two 256-page programs.
+  # Balanced splits: the equal splits on full sequences (two empty programs more a sequence); one 32K sequence
+  # among 2K ones takes four 128-page programs instead of two of 256.
   one_long = np.array([32768] + [2048] * 31)
   assert mla_decode.modelled_page_times(full, 512, 2, 2, balanced=True) == 258.0
-  assert [round(mla_decode.modelled_page_times(one_long, 512, 2, 2, balanced=b)) for b in (False, True)] == [258, 36]
+  assert [round(mla_decode.modelled_page_times(one_long, 512, 2, 2, balanced=b)) for b in (False, True)] == [258, 136]
 
 
 def test_tunings_argument():

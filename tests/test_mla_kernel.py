@@ -13,9 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.mla import MlaDecodeConfig, MlaDecodeTuning, default_tuning, kernel, merge_partials, mla_decode
+from pallas_kernels.mla import (MlaDecodeConfig, MlaDecodeTuning, api, default_tuning, kernel, merge_partials,
+                                mla_decode)
 from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE
-from pallas_kernels.mla.reference import mla_decode_partials_reference, mla_decode_reference
+from pallas_kernels.mla.reference import (balanced_split_width, mla_decode_partials_reference,
+                                          mla_decode_reference)
 from pallas_kernels.testing import K3_MLA_SCALE, mla_decode_oracle, mla_paged_inputs, rel_rmse
 
 O_REL_L2 = 5e-3  # bf16 P (2^-8 per weight), plus one bf16 rounding of the output or of bf16 partials
@@ -52,6 +54,49 @@ def test_kernel_matches_references(kernel_impl, num_heads, partial_dtype, narrow
   args = mla_paged_inputs(20, [130, 64, 0], num_heads=num_heads, max_pages=4, q_dtype=jnp.bfloat16)
   o, lse = mla_decode(*args, config=_config(kernel_impl, 2, partial_dtype, narrow))
   _check_against_references(args, o, lse, num_splits=2, partial_dtype=partial_dtype)
+
+
+def test_balanced_widths_spread_the_pages_and_leave_full_batches_equal():
+  width = functools.partial(balanced_split_width, max_pages=512, budget=2, batch=32, num_splits=4)
+  # Full sequences: the equal splits, ceil(512 / 2) pages, in the first two of four splits.
+  np.testing.assert_array_equal(width(32 * 512, np.full(32, 512)), np.full(32, 256))
+  # One 32K sequence among 2K ones: 1,504 pages for 64 programs, 24 a program; the long one is capped at its
+  # four splits (128 pages each), each short one takes two.
+  pages = np.array([512] + [32] * 31)
+  np.testing.assert_array_equal(width(pages.sum(), pages), [128] + [24] * 31)
+  # The floor: min(16, the equal width) pages a split, also with no tokens at all.
+  np.testing.assert_array_equal(width(1, np.array([1, 0])), [16, 16])
+  assert int(balanced_split_width(0, 0, max_pages=4, budget=1, batch=3, num_splits=2)) == 4
+
+
+@pytest.mark.parametrize("narrow", [False, True])
+def test_each_split_covers_the_pages_its_width_gives(kernel_impl, narrow):
+  """Balanced splits: split j of sequence b holds the attention over its pages ``[j w_b, (j + 1) w_b)``
+  (``balanced_split_width``), checked against the f64 oracle of that page range alone; splits past a sequence's
+  pages are exactly ``(0, -inf)``."""
+  # 0, 2, 6 and 50 pages of a 60-page table; a budget of 1 split a sequence over 3 splits: W = max(ceil(58 / 4),
+  # 16) = 16, and the long sequence needs ceil(50 / 3) = 17. Equal splits would take 20 pages a split.
+  lens = [0, 70, 64 * 5 + 3, 64 * 49 + 10]
+  pages = -(-np.array(lens) // PAGE_SIZE)
+  widths = balanced_split_width(pages.sum(), pages, max_pages=60, budget=1, batch=4, num_splits=3)
+  np.testing.assert_array_equal(widths, [16, 16, 16, 17])
+  args = mla_paged_inputs(22, lens, num_heads=16, max_pages=60, q_dtype=jnp.bfloat16)
+  o_parts, lse_parts = kernel.mla_decode_partials_mosaic(
+      *args, scale=K3_MLA_SCALE, num_splits=3, partial_dtype=jnp.float32, interpret=kernel_impl == "interpret",
+      narrow=narrow, budget=1)
+  o_parts, lse_parts = np.asarray(o_parts), np.asarray(lse_parts)
+  q, cache, table = args[0], args[1], np.asarray(args[2])
+  for b, n in enumerate(lens):
+    for j in range(3):
+      first = j * widths[b]
+      sub_len = np.clip(n - first * PAGE_SIZE, 0, widths[b] * PAGE_SIZE)
+      sub_table = np.roll(table[b:b + 1], -first, axis=1)  # the range's pages first
+      o_ref, lse_ref = mla_decode_oracle(q[b:b + 1], cache, sub_table, np.array([sub_len]), scale=K3_MLA_SCALE)
+      if sub_len == 0:
+        assert (o_parts[j, b] == 0).all() and np.isneginf(lse_parts[j, b]).all(), (b, j)
+        continue
+      assert rel_rmse(o_parts[j, b], o_ref[0]) < O_REL_L2, (b, j)
+      np.testing.assert_allclose(lse_parts[j, b], lse_ref[0], atol=LSE_ATOL, err_msg=str((b, j)))
 
 
 def test_every_partial_slot_is_written_and_runs_are_deterministic(kernel_impl):

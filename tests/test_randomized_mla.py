@@ -2,7 +2,8 @@
 
 Each example draws a whole decode batch: lengths with the page edges (0, 1, 63, 64, 65, full), scattered
 page ids, padding ids past each sequence's last page, ``num_splits`` from 1 to more splits than pages (or
-the heuristic), the narrow (transposed) kernel or the 64-row tiles up to 32 heads, both partial dtypes,
+the heuristic), splits balanced by pages or equal, the narrow (transposed) kernel or the 64-row tiles up to 32
+heads, both partial dtypes,
 diffuse to peaky attention (a few rows aligned with a head's query, whose logits stand far above the rest),
 and poison (NaN, +-inf or a huge value) in every cache row that is
 no token: the rows past a sequence's end and the pages no table uses. The kernel (``kernel_impl``) is
@@ -59,6 +60,7 @@ def decode_batches(draw):
   num_splits = draw(st.one_of(st.sampled_from([2, max_pages + 2, None]), st.integers(1, max_pages + 2)))
   # The narrow (transposed) kernel takes up to 32 heads; None is the default (narrow where it applies).
   narrow = draw(st.sampled_from([None, False, True] if heads <= kernel.NARROW_MAX_HEADS else [None, False]))
+  balanced = draw(st.sampled_from([None, False, True]))  # splits spread by pages (the default) or equal
   partial_dtype = draw(st.sampled_from([jnp.bfloat16, jnp.float32]))
   q_std = draw(st.sampled_from([0.3, 1.0, 2.0]))
   peaky_rows = draw(st.integers(0, 3))
@@ -88,7 +90,7 @@ def decode_batches(draw):
     flat[:n] = rows
     cache[pages] = flat.reshape(-1, PAGE_SIZE, dim)
   args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(cache, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens))
-  return args, MlaDecodeTuning(num_splits=num_splits, narrow=narrow), partial_dtype
+  return args, MlaDecodeTuning(num_splits=num_splits, narrow=narrow, balanced=balanced), partial_dtype
 
 
 def _row_rel_l2(o, ref):

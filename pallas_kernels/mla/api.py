@@ -9,8 +9,6 @@ from pallas_kernels import util
 from pallas_kernels.mla import cache_format, kernel, reference
 from pallas_kernels.mla.config import HEAD_TILE, LATENT_DIM, PAGE_SIZE, ROPE_DIM, MlaDecodeConfig, MlaDecodeTuning
 
-MIN_PAGES_PER_SPLIT = 16  # below ~1024 tokens a split's partial (o, lse) traffic rivals its KV bytes.
-
 
 def choose_num_splits(batch: int, num_heads: int, max_pages: int) -> int:
   """Splits of the KV length that ``default_tuning`` picks, from static shapes only.
@@ -22,7 +20,7 @@ def choose_num_splits(batch: int, num_heads: int, max_pages: int) -> int:
   efficiency ``waves / ceil(waves)`` (``waves = programs * s / 132``) is within 85% of the best.
   """
   programs = batch * util.cdiv(num_heads, HEAD_TILE)
-  max_splits = max(1, max_pages // MIN_PAGES_PER_SPLIT)
+  max_splits = max(1, max_pages // reference.MIN_PAGES_PER_SPLIT)
   if programs >= 0.8 * util.NUM_SMS or max_splits == 1:
     return 1
 
@@ -56,8 +54,9 @@ def effective_num_splits(max_pages: int, num_splits: int) -> int:
   return util.cdiv(max_pages, reference.pages_per_split(max_pages, num_splits))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "partial_dtype", "narrow", "impl", "out_dtype"))
-def _mla_decode(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, partial_dtype, narrow, impl,
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "partial_dtype", "narrow", "balanced", "impl",
+                                             "out_dtype"))
+def _mla_decode(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, partial_dtype, narrow, balanced, impl,
                 out_dtype):
   seq_lens = seq_lens.astype(jnp.int32)
   if impl == "xla":
@@ -65,9 +64,12 @@ def _mla_decode(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, pa
         q_abs, kv_cache, block_table, seq_lens, scale=scale, num_splits=num_splits,
         partial_dtype=partial_dtype, latent_dim=LATENT_DIM)
   else:
+    budget = None
+    if balanced:  # the budget of num_splits a sequence, spread by pages over up to twice as many splits
+      num_splits, budget = effective_num_splits(block_table.shape[1], 2 * num_splits), num_splits
     o_parts, lse_parts = kernel.mla_decode_partials_mosaic(
         q_abs, kv_cache, block_table, seq_lens, scale=scale, num_splits=num_splits,
-        partial_dtype=partial_dtype, narrow=narrow, interpret=impl == "interpret")
+        partial_dtype=partial_dtype, narrow=narrow, interpret=impl == "interpret", budget=budget)
   return merge_partials(o_parts, lse_parts, out_dtype=out_dtype)
 
 
@@ -76,8 +78,9 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
                out_dtype: jax.typing.DTypeLike | None = None) -> tuple[jax.Array, jax.Array]:
   """Absorbed MLA decode, split along the KV length.
 
-  Each split of ``pages_per_split`` pages attends on its own (f32 online softmax), stores its normalised
-  partial in ``config.partial_dtype`` with an f32 LSE, and ``merge_partials`` combines the splits.
+  Each split attends on its own (f32 online softmax), stores its normalised partial in ``config.partial_dtype``
+  with an f32 LSE, and ``merge_partials`` combines the splits. The kernels spread the splits over the sequences
+  by the pages they hold (``MlaDecodeTuning.balanced``); the XLA path takes ``pages_per_split`` pages a split.
 
   Args:
     q_abs: ``[B, Hq, Dc + Dr]`` (576 = 512 latent + 64 rope), absorbed queries, f32/bf16/f16
@@ -118,15 +121,17 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
   tuning = config.tuning or MlaDecodeTuning()
   defaults = default_tuning(batch, num_heads, max_pages, cache_dtype=kv_cache.dtype)
   num_splits = tuning.num_splits or defaults.num_splits
-  # The XLA reference has one form; the kernels take the narrow one where the tuning (or its default) asks.
+  # The XLA reference has one form (equal splits, 64-row tiles); the kernels take the narrow one and the splits
+  # balanced by pages where the tuning (or its default) asks.
   narrow = config.impl != "xla" and (defaults.narrow if tuning.narrow is None else tuning.narrow)
+  balanced = config.impl != "xla" and tuning.balanced is not False
   if narrow and not kernel.narrow_applies(num_heads, kv_cache.dtype):
     raise NotImplementedError(f"mla_decode tuning.narrow=True takes at most {kernel.NARROW_MAX_HEADS} query "
                               f"heads with a bf16 kv_cache and {kernel.FP8_NARROW_MAX_HEADS} with an fp8 one, got "
                               f"q_abs with {num_heads} and a {jnp.dtype(kv_cache.dtype).name} kv_cache")
   return _mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=config.scale,
                      num_splits=effective_num_splits(max_pages, num_splits), partial_dtype=config.partial_dtype,
-                     narrow=narrow, impl=config.impl, out_dtype=out_dtype)
+                     narrow=narrow, balanced=balanced, impl=config.impl, out_dtype=out_dtype)
 
 
 def merge_partials(o_parts: jax.Array, lse_parts: jax.Array, *,

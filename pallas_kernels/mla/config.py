@@ -34,17 +34,24 @@ class MlaDecodeTuning:
     narrow: the kernels only. True: the transposed kernel for few heads (``S^T = kv @ q^T``, the heads are the
       MMA's N), whose matrix work scales with Hq rounded up to 8 instead of a 64-row tile; Hq <= 32 and a bf16
       cache. False: the 64-row head tiles. None takes ``mla.api.default_tuning``'s (narrow wherever it applies).
+    balanced: the kernels only. True or None: ``num_splits`` is a budget per sequence on average, spread over the
+      sequences by the pages they hold (``mla.reference.balanced_split_width``; a long one takes up to twice the
+      budget), so that a batch of short or mixed contexts spreads over the SMs; a batch of full sequences gets
+      the equal splits. False: ``num_splits`` equal splits of the block table's columns for every sequence.
   """
 
   num_splits: int | None = None
   narrow: bool | None = None
+  balanced: bool | None = None
 
   def __post_init__(self):
     if self.num_splits is not None and (isinstance(self.num_splits, bool) or not isinstance(self.num_splits, int)
                                         or self.num_splits < 1):
       raise ValueError(f"num_splits must be an int >= 1 or None, got {self.num_splits!r}")
-    if self.narrow is not None and not isinstance(self.narrow, bool):
-      raise ValueError(f"narrow must be a bool or None, got {self.narrow!r}")
+    for name in ("narrow", "balanced"):
+      value = getattr(self, name)
+      if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool or None, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

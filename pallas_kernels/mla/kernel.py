@@ -23,7 +23,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import mosaic_interpret, util
 from pallas_kernels.mla import cache_format
 from pallas_kernels.mla.config import HEAD_TILE, LATENT_DIM, PAGE_SIZE, ROPE_DIM
-from pallas_kernels.mla.reference import pages_per_split
+from pallas_kernels.mla.reference import balanced_split_width, pages_per_split
 
 DIM = LATENT_DIM + ROPE_DIM
 COLS = LATENT_DIM // 2  # output columns per compute warpgroup
@@ -69,28 +69,35 @@ def narrow_applies(num_heads: int, cache_dtype) -> bool:
   return num_heads <= NARROW_MAX_HEADS and jnp.dtype(cache_dtype) == jnp.bfloat16
 
 
-def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_operands: bool, fp8: bool,
-          narrow: bool):
+def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: int, scale: float,
+          smem_operands: bool, fp8: bool, narrow: bool):
   # fp8 pages: the compute warpgroups dequantise them into one bf16 tile (64-row tiles), or the memory warpgroup
   # converts them unscaled into the f16 ring (narrow), and the compute warpgroups apply the per-token scales.
   dequant, convert = fp8 and not narrow, fp8 and narrow
   if dequant:
-    (words_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, row_smem, lse_smem, q_bar, kv_bar,
+    (words_ref, table_ref, lens_ref, total_ref, o_ref, lse_ref, q_smem, ring, row_smem, lse_smem, q_bar, kv_bar,
      consumed_bar, p_ready_bar, p_free_bar, tile_ready_bar, tile_free_bar) = refs
     (raw, scales, kv_tile), p_ring, o_stage = ring
   elif convert:
-    (words_ref, table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_smem, row_smem, lse_smem, q_bar, kv_bar,
-     consumed_bar, p_ready_bar, p_free_bar, pieces, piece_scales, piece_bar, scale_bar, ring_scales) = refs
+    (words_ref, table_ref, lens_ref, total_ref, o_ref, lse_ref, q_smem, ring, p_smem, row_smem, lse_smem, q_bar,
+     kv_bar, consumed_bar, p_ready_bar, p_free_bar, pieces, piece_scales, piece_bar, scale_bar, ring_scales) = refs
     kv_smem, o_stage = ring
   else:
-    (table_ref, lens_ref, o_ref, lse_ref, q_smem, ring, p_smem, row_smem, lse_smem, q_bar, kv_bar, consumed_bar,
-     p_ready_bar, p_free_bar) = refs
+    (table_ref, lens_ref, total_ref, o_ref, lse_ref, q_smem, ring, p_smem, row_smem, lse_smem, q_bar, kv_bar,
+     consumed_bar, p_ready_bar, p_free_bar) = refs
     kv_smem, o_stage = ring
   hb, split, b = lax.axis_index("hb"), lax.axis_index("split"), lax.axis_index("b")
   wg = lax.axis_index("wg")
   seq_len = lens_ref[b]
-  first_page = split * pps
-  num_pages = jnp.clip(pl.cdiv(seq_len, PAGE_SIZE) - first_page, 0, pps)
+  seq_pages = pl.cdiv(seq_len, PAGE_SIZE)
+  max_pages = table_ref.shape[1]
+  if budget is None:  # equal splits of the block table's columns
+    width = pages_per_split(max_pages, num_splits)
+  else:  # this sequence's share of the batch's pages (``total_ref``: the batch's pages)
+    width = balanced_split_width(total_ref[0], seq_pages, max_pages=max_pages, budget=budget,
+                                 batch=lens_ref.shape[0], num_splits=num_splits)
+  first_page = split * width
+  num_pages = jnp.clip(seq_pages - first_page, 0, width)
   rows = q_smem.shape[0]  # head rows of a program: a 64-row tile, or narrow: all heads rounded up to 8
   row0 = pl.multiple_of(hb * rows, rows)
   head_blocks = util.cdiv(out_rows, rows)
@@ -476,10 +483,10 @@ def _body(q_ref, kv_ref, *refs, pps: int, out_rows: int, scale: float, smem_oper
       phases.end()
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "partial_dtype", "narrow", "interpret",
-                                             "smem_operands"))
-def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, partial_dtype, narrow, interpret,
-              smem_operands):
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "budget", "partial_dtype", "narrow",
+                                             "interpret", "smem_operands"))
+def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, budget, partial_dtype, narrow,
+              interpret, smem_operands):
   batch, num_heads, dim = q_abs.shape
   out_rows = util.cdiv(num_heads, 8) * 8  # TMA stores whole 8-row groups of the tiled staging buffer
   rows = out_rows if narrow else HEAD_TILE  # head rows of one program
@@ -527,7 +534,7 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
     ring = plgpu.RefUnion(tile((STAGES, PAGE_SIZE, DIM), kv_cache.dtype), o_stage)
     kv_bar = plgpu.Barrier(num_barriers=STAGES)
   kernel = plgpu.kernel(
-      functools.partial(_body, pps=pages_per_split(block_table.shape[1], num_splits), out_rows=out_rows,
+      functools.partial(_body, num_splits=num_splits, budget=budget, out_rows=out_rows,
                         scale=scale, smem_operands=smem_operands, fp8=fp8, narrow=narrow),
       out_type=(jax.ShapeDtypeStruct((num_splits, batch) + ((LATENT_DIM, out_rows) if narrow else
                                                             (out_rows, LATENT_DIM)), partial_dtype),
@@ -569,7 +576,10 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
   # not bytes, and reports a read after P's store. Not shown to be a race (the path's GPU tests pass), not shown
   # not to be either: this path runs without the detector (benchmarks/RESULTS.md, session 35).
   with mosaic_interpret.interpret_mode(interpret, detect_races=not (fp8 and not narrow)):
-    o_parts, lse_parts = kernel(*inputs, block_table, seq_lens)
+    # The batch's pages, for the balanced splits' widths: one small XLA reduction.
+    page_total = (jnp.sum((seq_lens + PAGE_SIZE - 1) // PAGE_SIZE, keepdims=True) if budget is not None
+                  else jnp.zeros((1,), jnp.int32))
+    o_parts, lse_parts = kernel(*inputs, block_table, seq_lens, page_total)
   if narrow:
     o_parts = jnp.swapaxes(o_parts, 2, 3)  # a small transpose that XLA fuses into the merge
   return o_parts[:, :, :num_heads], lse_parts[:, :, :num_heads]
@@ -578,8 +588,10 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, part
 def mla_decode_partials_mosaic(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array,
                                seq_lens: jax.Array, *, scale: float, num_splits: int,
                                partial_dtype: jnp.dtype, interpret: bool, narrow: bool = False,
-                               smem_operands: bool | None = None) -> tuple[jax.Array, jax.Array]:
-  """Kernel path of ``mla_decode``: the split partials, as ``reference.mla_decode_partials_reference``.
+                               smem_operands: bool | None = None,
+                               budget: int | None = None) -> tuple[jax.Array, jax.Array]:
+  """Kernel path of ``mla_decode``: the split partials, as ``reference.mla_decode_partials_reference`` (which has
+  the equal splits of ``budget=None``).
 
   Args:
     q_abs: ``[B, Hq, 576]`` bf16 (Hq is padded to a multiple of 64 rows inside, narrow: of 8; any Hq >= 1).
@@ -592,6 +604,9 @@ def mla_decode_partials_mosaic(q_abs: jax.Array, kv_cache: jax.Array, block_tabl
       program for all heads; its matrix work scales with Hq rounded up to 8 instead of 64. Hq <= 32 with a bf16
       cache, Hq <= 16 with an fp8 one (``narrow_applies``).
     smem_operands: the interpret-safe variant (see README.md); None = ``interpret``.
+    budget: balanced splits: ``budget * B`` programs spread over the sequences by the pages they hold, each
+      sequence over at most its S splits (``reference.balanced_split_width``; ``mla_decode`` takes S = twice the
+      budget). None: every sequence in S equal splits of ``pages_per_split(max_pages, S)`` pages.
 
   Returns:
     ``o_parts [S, B, Hq, 512]`` in ``partial_dtype`` (normalised) and ``lse_parts [S, B, Hq]`` f32 natural
@@ -601,6 +616,6 @@ def mla_decode_partials_mosaic(q_abs: jax.Array, kv_cache: jax.Array, block_tabl
     raise NotImplementedError(f"the narrow MLA decode kernel takes at most {NARROW_MAX_HEADS} heads with a bf16 "
                               f"cache or {FP8_NARROW_MAX_HEADS} with an fp8 one, got {q_abs.shape[1]} and "
                               f"{jnp.dtype(kv_cache.dtype).name}")
-  return _partials(q_abs, kv_cache, block_table, seq_lens, scale=scale, num_splits=num_splits,
+  return _partials(q_abs, kv_cache, block_table, seq_lens, scale=scale, num_splits=num_splits, budget=budget,
                    partial_dtype=jnp.dtype(partial_dtype), narrow=narrow, interpret=interpret,
                    smem_operands=interpret if smem_operands is None else smem_operands)

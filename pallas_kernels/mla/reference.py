@@ -146,9 +146,29 @@ def _unsplit_reference(q_abs, kv_cache, block_table, seq_lens, *, scale, latent_
   return o.astype(q_abs.dtype), lse
 
 
+MIN_PAGES_PER_SPLIT = 16  # below ~1024 tokens a split's partial (o, lse) traffic rivals its KV bytes.
+
+
 def pages_per_split(max_pages: int, num_splits: int) -> int:
-  """Pages of each split: split ``j`` covers pages ``[j * pps, (j + 1) * pps)`` of every sequence."""
+  """Pages of each equal split: split ``j`` covers pages ``[j * pps, (j + 1) * pps)`` of every sequence."""
   return util.cdiv(max_pages, num_splits)
+
+
+def balanced_split_width(page_total, seq_pages, *, max_pages: int, budget: int, batch: int, num_splits: int):
+  """Pages of each of a sequence's ``num_splits`` splits when the splits are balanced: split ``j`` covers its
+  pages ``[j w, (j + 1) w)``. Integers or int32 arrays (the kernel calls it on its scalars).
+
+  A budget of ``budget * batch`` programs is spread over the sequences by the pages they hold: a program takes
+  ``W = max(ceil(page_total / (budget batch)), min(MIN_PAGES_PER_SPLIT, ceil(max_pages / budget)))`` pages (the
+  batch holds ``page_total``), and a sequence of ``seq_pages`` takes ``ceil(seq_pages / W)`` programs, widened to
+  ``ceil(seq_pages / num_splits)`` pages each where it would need more than its splits. Equal splits of the block
+  table's columns leave a batch of short or mixed contexts waiting on its longest sequence's few splits; a batch
+  of full sequences gets ``w = ceil(max_pages / budget)`` here, the equal splits.
+  """
+  programs = budget * batch
+  width = jnp.maximum((page_total + programs - 1) // programs,
+                      min(MIN_PAGES_PER_SPLIT, pages_per_split(max_pages, budget)))
+  return jnp.maximum(width, (seq_pages + num_splits - 1) // num_splits)
 
 
 def mla_decode_partials_reference(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array,
