@@ -266,9 +266,9 @@ def main() -> None:
                       help="lengths drawn from [1, context] (`ragged_lengths`) instead of all at the context")
   parser.add_argument("--splits", type=int, nargs="+", default=[None],
                       help="num_splits values to time (default: the heuristic's, `api.choose_num_splits`)")
-  parser.add_argument("--layouts", nargs="+", choices=("balanced", "equal"), default=["balanced"],
-                      help="split layouts to time: spread by pages (`MlaDecodeTuning.balanced`, the default) or "
-                           "equal splits of the block table's columns")
+  parser.add_argument("--layouts", nargs="+", choices=("balanced", "equal"), default=["equal"],
+                      help="split layouts to time: equal splits of the block table's columns (the default) or "
+                           "spread by pages (`MlaDecodeTuning.balanced`)")
   parser.add_argument("--wide", action="store_true",
                       help="the 64-row head tiles everywhere (the default tuning takes the narrow, transposed "
                            "kernel where it applies: a bf16 cache and Hq <= 32)")

@@ -7,6 +7,7 @@ products of bf16 inputs accumulated in f32, so the LSE agrees to f32 rounding (a
 """
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +25,9 @@ O_REL_L2 = 5e-3  # bf16 P (2^-8 per weight), plus one bf16 rounding of the outpu
 LSE_ATOL = 2e-5  # f32 logits of O(10) and approx_math exp2 / log2
 
 
-def _config(impl, num_splits=None, partial_dtype=jnp.bfloat16, narrow=None):
+def _config(impl, num_splits=None, partial_dtype=jnp.bfloat16, narrow=None, balanced=None):
   return MlaDecodeConfig(scale=K3_MLA_SCALE, partial_dtype=partial_dtype, impl=impl,
-                         tuning=MlaDecodeTuning(num_splits=num_splits, narrow=narrow))
+                         tuning=MlaDecodeTuning(num_splits=num_splits, narrow=narrow, balanced=balanced))
 
 
 def _check_against_references(args, o, lse, *, num_splits, partial_dtype):
@@ -214,16 +215,18 @@ def test_f32_partials_closer_to_oracle_than_bf16_partials(kernel_impl):
   assert err[jnp.float32] < 0.75 * err[jnp.bfloat16] and err[jnp.float32] < O_REL_L2
 
 
-@pytest.mark.parametrize(("num_heads", "narrow"), [(16, False), (128, False), (11, True), (32, True)])
+@pytest.mark.parametrize(("num_heads", "narrow", "budget"),
+                         [(16, False, None), (128, False, 1), (11, True, 1), (32, True, None)])
 @pytest.mark.parametrize("partial_dtype", [jnp.bfloat16, jnp.float32])
-def test_gpu_kernel_lowers_for_cuda(num_heads, narrow, partial_dtype):
+def test_gpu_kernel_lowers_for_cuda(num_heads, narrow, budget, partial_dtype):
   # Runs Mosaic GPU lowering, layout inference and the shared-memory check (the compiled variant, whose
-  # P @ V accumulates in place) on the CPU machine.
+  # P @ V accumulates in place) on the CPU machine; both kernels with equal and with balanced splits (budget).
   shapes = (jax.ShapeDtypeStruct((2, num_heads, 576), jnp.bfloat16),
             jax.ShapeDtypeStruct((9, PAGE_SIZE, 576), jnp.bfloat16),
             jax.ShapeDtypeStruct((2, 4), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32))
   f = functools.partial(kernel.mla_decode_partials_mosaic, scale=K3_MLA_SCALE, num_splits=2,
-                        partial_dtype=partial_dtype, interpret=False, narrow=narrow, smem_operands=False)
+                        partial_dtype=partial_dtype, interpret=False, narrow=narrow, smem_operands=False,
+                        budget=budget)
   lowered = jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
 
@@ -235,8 +238,8 @@ def test_gpu_kernel_lowers_for_cuda(num_heads, narrow, partial_dtype):
 def test_gpu_kernel_ragged_batches_and_splits(num_heads, narrow, partial_dtype, splits):
   lens = [0, 1, 63, 64, 65, 4096, 3000, 777]
   args = mla_paged_inputs(23, lens, num_heads=num_heads, max_pages=64, q_dtype=jnp.bfloat16)
-  for num_splits in splits:
-    o, lse = mla_decode(*args, config=_config("pallas", num_splits, partial_dtype, narrow))
+  for num_splits, balanced in itertools.product(splits, (False, True)):
+    o, lse = mla_decode(*args, config=_config("pallas", num_splits, partial_dtype, narrow, balanced))
     _check_against_references(args, o, lse, num_splits=num_splits, partial_dtype=partial_dtype)
 
 
@@ -252,10 +255,11 @@ def test_gpu_kernel_page_ids_above_65535():
 
 @pytest.mark.gpu
 def test_gpu_kernel_long_context_matches_unsplit_reference():
-  # 32K tokens at Hq = 96 (two head tiles, the second only half used), default splits.
+  # 32K tokens at Hq = 96 (two head tiles, the second only half used), default splits, equal and balanced.
   args = mla_paged_inputs(25, [32768, 20000], num_heads=96, max_pages=512, q_dtype=jnp.bfloat16)
-  o, lse = mla_decode(*args, config=_config("pallas"))
   o_ref, lse_ref = mla_decode_reference(*args, scale=K3_MLA_SCALE)
-  assert rel_rmse(o, np.asarray(o_ref, np.float64)) < O_REL_L2
-  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=LSE_ATOL)
+  for balanced in (False, True):
+    o, lse = mla_decode(*args, config=_config("pallas", balanced=balanced))
+    assert rel_rmse(o, np.asarray(o_ref, np.float64)) < O_REL_L2, balanced
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=LSE_ATOL, err_msg=str(balanced))
 

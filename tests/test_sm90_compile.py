@@ -25,9 +25,9 @@ AOT = ROOT / ".aot"
 SPILL_BUDGET = {
     "kda_prefill_prep": (132, 136),  # the largest over the cases (T = 32768)
     "kda_prefill_combine": (88, 88),
-    "mla_decode_wide": (64, 100),  # scalar spills: the balanced splits' width (44 / 68 with equal splits)
-    "mla_decode_narrow_fp8": (12, 16),
-    "mla_decode_wide_fp8": (28, 64),
+    "mla_decode_wide": (44, 68),
+    "mla_decode_narrow_fp8": (8, 4),
+    "mla_decode_wide_fp8": (12, 40),
     "mla_prefill": (36, 100),
 }
 # The Mosaic GPU kernels of each case, and at most how many XLA kernels run beside them.
@@ -41,11 +41,10 @@ EXPECTED = {
     "kda-prefill-8192-h96": (("kda_prefill_prep", "kda_prefill_state"), 2),
     "kda-prefill-32768-h32": (("kda_prefill_prep", "kda_prefill_state"), 2),
     "kda-decode-64-h96": (("kda_decode",), 0),
-    # The merge (2 kernels), the batch's page count for the balanced splits (1), and with fp8 at Hq <= 16 q in f16.
-    "mla-decode-hq16-bf16": (("mla_decode_narrow",), 3),
-    "mla-decode-hq128-bf16": (("mla_decode_wide",), 3),
-    "mla-decode-hq16-fp8": (("mla_decode_narrow_fp8",), 4),
-    "mla-decode-hq128-fp8": (("mla_decode_wide_fp8",), 3),
+    "mla-decode-hq16-bf16": (("mla_decode_narrow",), 2),
+    "mla-decode-hq128-bf16": (("mla_decode_wide",), 2),
+    "mla-decode-hq16-fp8": (("mla_decode_narrow_fp8",), 3),
+    "mla-decode-hq128-fp8": (("mla_decode_wide_fp8",), 2),
     "short-conv-prefill": (("short_conv_prefill",), 3),
     "mla-prefill-8192-h16": (("mla_prefill",), 6),
 }

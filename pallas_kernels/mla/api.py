@@ -79,8 +79,8 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
   """Absorbed MLA decode, split along the KV length.
 
   Each split attends on its own (f32 online softmax), stores its normalised partial in ``config.partial_dtype``
-  with an f32 LSE, and ``merge_partials`` combines the splits. The kernels spread the splits over the sequences
-  by the pages they hold (``MlaDecodeTuning.balanced``); the XLA path takes ``pages_per_split`` pages a split.
+  with an f32 LSE, and ``merge_partials`` combines the splits: ``pages_per_split`` pages a split, or with
+  ``MlaDecodeTuning.balanced`` (the kernels) spread over the sequences by the pages they hold.
 
   Args:
     q_abs: ``[B, Hq, Dc + Dr]`` (576 = 512 latent + 64 rope), absorbed queries, f32/bf16/f16
@@ -121,10 +121,10 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
   tuning = config.tuning or MlaDecodeTuning()
   defaults = default_tuning(batch, num_heads, max_pages, cache_dtype=kv_cache.dtype)
   num_splits = tuning.num_splits or defaults.num_splits
-  # The XLA reference has one form (equal splits, 64-row tiles); the kernels take the narrow one and the splits
-  # balanced by pages where the tuning (or its default) asks.
+  # The XLA reference has one form (equal splits, 64-row tiles); the kernels take the narrow one where the tuning
+  # (or its default) asks, and the balanced splits where the tuning asks for them.
   narrow = config.impl != "xla" and (defaults.narrow if tuning.narrow is None else tuning.narrow)
-  balanced = config.impl != "xla" and tuning.balanced is not False
+  balanced = config.impl != "xla" and tuning.balanced is True
   if narrow and not kernel.narrow_applies(num_heads, kv_cache.dtype):
     raise NotImplementedError(f"mla_decode tuning.narrow=True takes at most {kernel.NARROW_MAX_HEADS} query "
                               f"heads with a bf16 kv_cache and {kernel.FP8_NARROW_MAX_HEADS} with an fp8 one, got "

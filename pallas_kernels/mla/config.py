@@ -34,10 +34,11 @@ class MlaDecodeTuning:
     narrow: the kernels only. True: the transposed kernel for few heads (``S^T = kv @ q^T``, the heads are the
       MMA's N), whose matrix work scales with Hq rounded up to 8 instead of a 64-row tile; Hq <= 32 and a bf16
       cache. False: the 64-row head tiles. None takes ``mla.api.default_tuning``'s (narrow wherever it applies).
-    balanced: the kernels only. True or None: ``num_splits`` is a budget per sequence on average, spread over the
+    balanced: the kernels only. True: ``num_splits`` is a budget per sequence on average, spread over the
       sequences by the pages they hold (``mla.reference.balanced_split_width``; a long one takes up to twice the
       budget), so that a batch of short or mixed contexts spreads over the SMs; a batch of full sequences gets
-      the equal splits. False: ``num_splits`` equal splits of the block table's columns for every sequence.
+      the equal splits. None or False: ``num_splits`` equal splits of the block table's columns for every
+      sequence (the default until both layouts are timed on the GPU: ``benchmarks/mla_decode.py --layouts``).
   """
 
   num_splits: int | None = None
