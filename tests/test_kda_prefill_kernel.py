@@ -99,8 +99,19 @@ GATES_GPU = [pytest.param(-5.0, jnp.bfloat16, True, id="lb-bf16state-saturated",
              pytest.param(None, jnp.float32, False, id="softplus-f32state", marks=pytest.mark.gpu)]
 
 
-@pytest.mark.parametrize("lower_bound,state_dtype,saturated", GATES + GATES_GPU)
-@pytest.mark.parametrize("sizes,v_blocks", CASES)
+def crossed(cases, gates=GATES, gpu_gates=GATES_GPU) -> list:
+  """Every case with every gate. The GPU runs the whole product; interpret mode (seconds to a minute a case)
+  runs each case with one of ``gates`` in turn, so that both gates still meet small, paired and wide cases."""
+  params = []
+  for i, case in enumerate(cases):
+    for j, gate in enumerate(gates + gpu_gates):
+      turn = () if j >= len(gates) or j == i % len(gates) else (pytest.mark.gpu,)
+      params.append(pytest.param(*case.values, *gate.values, id=f"{case.id}-{gate.id}",
+                                 marks=(*case.marks, *gate.marks, *turn)))
+  return params
+
+
+@pytest.mark.parametrize("sizes,v_blocks,lower_bound,state_dtype,saturated", crossed(CASES))
 def test_prefill_matches_oracle_and_xla(kernel_impl, sizes, v_blocks, lower_bound, state_dtype, saturated):
   _check_against_oracle_and_xla(kernel_impl, 0, sizes, kda.KdaTuning(prefill_v_blocks=v_blocks), lower_bound,
                                 state_dtype, saturated)
@@ -134,8 +145,8 @@ SEGMENT_CASES = [pytest.param(SMALL, 3, None, id="small-3"), pytest.param(SMALL_
                  pytest.param(EVERY_CHUNK, 6, None, id="every-chunk-6", marks=pytest.mark.gpu)]
 
 
-@pytest.mark.parametrize("lower_bound,state_dtype,saturated", GATES)
-@pytest.mark.parametrize("sizes,segments,v_blocks", SEGMENT_CASES)
+@pytest.mark.parametrize("sizes,segments,v_blocks,lower_bound,state_dtype,saturated",
+                         crossed(SEGMENT_CASES, gpu_gates=[]))
 def test_segmented_state_pass_matches_oracle_and_xla(kernel_impl, sizes, segments, v_blocks, lower_bound,
                                                      state_dtype, saturated):
   """``KdaTuning.prefill_segments``: the state pass over runs of chunks in parallel (two passes and a combine)

@@ -228,7 +228,7 @@ def test_logits_multiply_in_f32():
   assert len(dots) == 2 and all("bf16" not in d for d in dots), dots
 
 
-@budget(cpu=12, gpu=60)
+@budget(cpu=8, gpu=60)
 @given(lens=st.lists(st.integers(0, 40), min_size=0, max_size=4), num_heads=st.integers(1, 4),
        block_q=st.integers(1, 24), block_k=st.integers(1, 24), bf16=st.booleans(), seed=st.integers(0, 2 ** 16))
 def test_randomized_blockwise_vs_oracle(lens, num_heads, block_q, block_k, bf16, seed):

@@ -100,7 +100,7 @@ def _row_rel_l2(o, ref):
 
 
 @pytest.mark.slow
-@budget(cpu=20, gpu=8)
+@budget(cpu=10, gpu=8)
 @given(drawn=decode_batches())
 def test_mla_decode_matches_reference_and_oracle(kernel_impl, drawn):
   args, tuning, partial_dtype = drawn
@@ -162,7 +162,7 @@ def test_merge_partials_matches_oracle(drawn):
 
 
 @pytest.mark.slow
-@budget(cpu=8, gpu=6)
+@budget(cpu=5, gpu=6)
 @given(drawn=decode_batches())
 def test_mla_decode_over_an_fp8_cache_matches_the_oracle_of_its_values(kernel_impl, drawn):
   """The same batches with the cache (poison included) in fp8 rows: the XLA path and the kernel (which reads

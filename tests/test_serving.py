@@ -216,7 +216,7 @@ def test_hit_on_a_mesh_matches_one_device(setup):
 
 
 @pytest.mark.slow
-@budget(cpu=3, gpu=6)
+@budget(cpu=2, gpu=6)
 @given(ops=st.lists(st.tuples(st.integers(0, 2), st.sampled_from([70, 130, 200]), st.booleans()), min_size=3,
                     max_size=7))
 def test_randomized_admit_and_finish_match_uncached_prefills(setup, ops):
