@@ -45,10 +45,15 @@ def row_width(dim: int, dtype) -> int:
   return dim + TAIL if is_fp8(dtype) else dim
 
 
+def amax(x: jax.Array) -> jax.Array:
+  """``max |x|`` over the last axis (kept), NaN where that axis holds a NaN: XLA's CPU max reduction can skip a
+  NaN (a vectorised max that keeps its other operand), so the NaN is looked for apart."""
+  return jnp.where(jnp.isnan(x).any(axis=-1, keepdims=True), jnp.nan, jnp.max(jnp.abs(x), axis=-1, keepdims=True))
+
+
 def _scale(part: jax.Array) -> jax.Array:
-  amax = jnp.max(jnp.abs(part), axis=-1, keepdims=True)
-  # max propagates NaN; inf stays inf: either reads back non-finite.
-  return jnp.where(amax == 0, 1.0, amax / FP8_MAX)
+  a = amax(part)  # NaN stays NaN and inf stays inf: either reads back non-finite.
+  return jnp.where(a == 0, 1.0, a / FP8_MAX)
 
 
 def quantize_rows(rows: jax.Array, dtype, latent_dim: int) -> jax.Array:
