@@ -28,7 +28,10 @@ budget S (the balanced grid has up to 2 S splits). The JSON rows carry ``model_p
 same random values quantised page block by page block) with the same pages, q and lengths: its bandwidth counts
 its own bytes (``B * context * 640``), ``vs bf16`` is the bf16 cache's time over its time (same shape and partial
 dtype, same run) and ``fp8 err`` its output's relative RMS difference from the bf16 cache's (the e4m3 rounding).
-The XLA path and FlashMLA (whose fp8 decode is sparse-only) run on the bf16 cache only.
+The XLA path and FlashMLA (whose fp8 decode is sparse-only) run on the bf16 cache only. ``--fp8-paths ring
+registers`` times both ways the narrow kernel reads an fp8 page (``MlaDecodeTuning.fp8_in_registers``: each page
+converted into an f16 ring, the default, or kept fp8 with V converted in registers); the cache column names the
+path (``fp8 ring``, ``fp8 registers``).
 
 Peer: FlashMLA (deepseek-ai/FlashMLA 9241ae3, its sm90a dense bf16 decode through its own
 ``flash_mla_with_kvcache``), in the same process on the same GPU, reading the same cache memory through the same
@@ -269,6 +272,9 @@ def main() -> None:
   parser.add_argument("--layouts", nargs="+", choices=("balanced", "equal"), default=["equal"],
                       help="split layouts to time: equal splits of the block table's columns (the default) or "
                            "spread by pages (`MlaDecodeTuning.balanced`)")
+  parser.add_argument("--fp8-paths", nargs="+", choices=("ring", "registers"), default=["ring"],
+                      help="how the narrow kernel reads an fp8 page: converted into an f16 ring (the default) or "
+                           "kept fp8 with V converted in registers (`MlaDecodeTuning.fp8_in_registers`)")
   parser.add_argument("--wide", action="store_true",
                       help="the 64-row head tiles everywhere (the default tuning takes the narrow, transposed "
                            "kernel where it applies: a bf16 cache and Hq <= 32)")
@@ -284,6 +290,10 @@ def main() -> None:
   num_pages = max(args.batch) * max(args.context) // PAGE_SIZE
   kq, kc, kp = jax.random.split(jax.random.key(0), 3)
   caches = {name: make_cache(jnp.dtype(name), kc, num_pages) for name in args.cache_dtypes}
+  # (column name, cache, fp8 path): each fp8 path after the bf16 cache, over the same fp8 cache.
+  variants = [("bfloat16", caches["bfloat16"], None)] if "bfloat16" in caches else []
+  if "float8_e4m3fn" in caches:
+    variants += [(f"fp8 {path}", caches["float8_e4m3fn"], path) for path in args.fp8_paths]
   order = jax.random.permutation(kp, num_pages).astype(jnp.int32)
   print("caches of " + ", ".join(f"{num_pages} pages of {name} ({c.nbytes / 2**30:.1f} GiB)" for name, c in
                                  caches.items()) + "\n", flush=True)
@@ -319,14 +329,17 @@ def main() -> None:
         flashmla_skip = f"failed: {type(e).__name__}: {e}"
         print(f"FlashMLA {flashmla_skip}; timing ours alone from here", flush=True)
     flops = decode_flops(heads, tokens)
-    for partial, num_splits, layout, (cache_name, cache) in itertools.product(
-        (jnp.bfloat16, jnp.float32), args.splits, args.layouts, caches.items()):
+    for partial, num_splits, layout, (cache_name, cache, fp8_path) in itertools.product(
+        (jnp.bfloat16, jnp.float32), args.splits, args.layouts, variants):
       faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
       tuning = default_tuning(batch, heads, pps, cache_dtype=cache.dtype)
       narrow = tuning.narrow and not args.wide
+      if fp8_path == "registers" and not narrow:
+        continue  # the 64-row tiles have one fp8 path
       config = MlaDecodeConfig(scale=K3_MLA_SCALE, partial_dtype=partial, impl=args.impl,
                                tuning=MlaDecodeTuning(num_splits=num_splits, narrow=False if args.wide else None,
-                                                      balanced=layout == "balanced"))
+                                                      balanced=layout == "balanced",
+                                                      fp8_in_registers=fp8_path == "registers"))
       f = jax.jit(lambda *a, config=config: mla_decode(*a, config=config))
       with gpu_clocks() as clocks:
         sec = time_call(f, q, cache, table, lens)
@@ -336,7 +349,8 @@ def main() -> None:
       merge = merge_device_us(f, q, cache, table, lens)
       merge_txt = f"{merge[0]:9.1f} {merge[1]:7.1%}" if merge else f"{'-':>9} {'-':>7}"
       head_tiles = 1 if narrow else util.cdiv(heads, HEAD_TILE)
-      row = dict(batch=batch, context=context, heads=heads, cache=cache_name, partial=jnp.dtype(partial).name,
+      row = dict(batch=batch, context=context, heads=heads, cache=jnp.dtype(cache.dtype).name, fp8_path=fp8_path,
+                 partial=jnp.dtype(partial).name,
                  splits=splits, narrow=narrow, layout=layout, ragged=args.ragged, tokens=tokens,
                  model_page_times=modelled_page_times(np.asarray(lens), pps, splits, head_tiles,
                                                       balanced=layout == "balanced"),

@@ -55,23 +55,28 @@ def test_mla_prefill_smoke(tmp_path, capsys):
 
 def test_mla_decode_ragged_smoke(tmp_path, monkeypatch, capfd):
   """``--ragged``: lengths from one fixed draw in [1, context]; bytes and FLOPs count the tokens actually cached;
-  ``--splits`` and ``--layouts`` time each split count and layout given."""
+  ``--splits`` and ``--layouts`` time each split count and layout given, ``--fp8-paths`` each fp8 path after the
+  bf16 cache's row."""
   lens = mla_decode.ragged_lengths(8, 256)
   assert lens.dtype == np.int32 and lens.min() >= 1 and lens.max() <= 256 and len(set(lens.tolist())) > 1
   np.testing.assert_array_equal(lens, mla_decode.ragged_lengths(8, 256))
   out = tmp_path / "rows.json"
   monkeypatch.setattr(sys, "argv", ["mla_decode.py", "--impl", "xla", "--batch", "8", "--context", "256", "--heads",
                                     "16", "--no-flashmla", "--copy-gib", "0.001", "--ragged", "--splits", "4",
-                                    "--layouts", "balanced", "--json", str(out)])
+                                    "--layouts", "balanced", "--cache-dtypes", "bfloat16", "float8_e4m3fn",
+                                    "--fp8-paths", "ring", "registers", "--json", str(out)])
   mla_decode.main()
   assert f"ragged lengths, {lens.sum()} tokens" in capfd.readouterr().out  # fd capture: faulthandler needs one
   rows = [json.loads(line) for line in out.read_text().splitlines()]
-  assert [(r["partial"], r["splits"], r["layout"]) for r in rows] == [("bfloat16", 4, "balanced"),
-                                                                      ("float32", 4, "balanced")]
+  assert [(r["partial"], r["splits"], r["layout"], r["cache"], r["fp8_path"]) for r in rows] == [
+      (partial, 4, "balanced", cache, path) for partial in ("bfloat16", "float32")
+      for cache, path in (("bfloat16", None), ("float8_e4m3fn", "ring"), ("float8_e4m3fn", "registers"))]
   for r in rows:
     assert r["ragged"] and r["tokens"] == lens.sum()
     assert r["tflops"] * 1e12 * r["time_us"] * 1e-6 == pytest.approx(mla_decode.decode_flops(16, int(lens.sum())))
-    assert r["tbs"] * 1e12 * r["time_us"] * 1e-6 == pytest.approx(lens.sum() * 576 * 2)
+    row_bytes = 576 * 2 if r["cache"] == "bfloat16" else 640
+    assert r["tbs"] * 1e12 * r["time_us"] * 1e-6 == pytest.approx(lens.sum() * row_bytes)
+    assert (r["vs_bf16"] is None) == (r["cache"] == "bfloat16")
 
 
 def test_mla_decode_models_how_a_batch_spreads_over_the_sms():

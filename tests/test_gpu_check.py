@@ -83,6 +83,11 @@ def test_benchmark_summaries_quote_peer_ratios(tmp_path: pathlib.Path):
   assert "Hq=16 narrow float32 292.0 us, 98% of copy;" in summary
   assert "Hq=16 float8_e4m3fn cache float32 160.0 us, 93% of copy, 1.83x bf16 cache;" in summary
   assert summary.endswith("Hq=128 float32 600.0 us, 47% of copy, 0.87x FlashMLA")
+  # The fp8 path, where the row names one (``--fp8-paths``).
+  path.write_text(json.dumps(dict(batch=32, context=32768, heads=16, cache="float8_e4m3fn", fp8_path="registers",
+                                  partial="float32", time_us=160.0, frac_copy=0.93, vs_bf16=1.83, narrow=True)))
+  assert gpu_check._mla_decode("", path) == ("B=32 ctx=32768 Hq=16 narrow float8_e4m3fn cache registers float32 "
+                                             "160.0 us, 93% of copy, 1.83x bf16 cache")
   # With the SM clocks that mla_decode.py reads (NaN where nvidia-smi gave none): each side's, where finite.
   path.write_text("\n".join(json.dumps(dict(batch=32, context=32768, heads=128, cache="bfloat16", partial="bfloat16",
                                             time_us=575.0, frac_copy=0.47, ratio_flashmla=0.9, sm_mhz=m,

@@ -111,6 +111,7 @@ _short_conv = _each(lambda r: f"{r['phase']} N={r['N']} H={r['H']} {r['conv_us']
 _mla_decode = _each(lambda r: f"B={r['batch']} ctx={r['context']} Hq={r['heads']} "
                               f"{'narrow ' if r.get('narrow') else ''}"
                               f"{'' if r.get('cache', 'bfloat16') == 'bfloat16' else r['cache'] + ' cache '}"
+                              f"{r['fp8_path'] + ' ' if r.get('fp8_path') else ''}"
                               f"{r['partial']} {r['time_us']:.1f} us{_mhz(r, 'sm_mhz')}, {r['frac_copy']:.0%} of copy"
                               f"{_ratio(r, 'ratio_flashmla', 'FlashMLA')}{_mhz(r, 'flashmla_sm_mhz')}"
                               f"{_ratio(r, 'vs_bf16', 'bf16 cache')}")
@@ -177,7 +178,8 @@ SECTIONS = (
     Section("kda-decode", (PY, "benchmarks/kda_decode.py", "--quick", "--json", "{json}"), 300, _kda_decode),
     Section("short-conv", (PY, "benchmarks/short_conv.py", "--quick", "--json", "{json}"), 300, _short_conv),
     Section("mla-decode", (PY, "benchmarks/mla_decode.py", "--batch", "32", "--context", "32768", "--heads", "16",
-                           "128", "--cache-dtypes", "bfloat16", "float8_e4m3fn", "--json", "{json}"), 300,
+                           "128", "--cache-dtypes", "bfloat16", "float8_e4m3fn", "--fp8-paths", "ring", "registers",
+                           "--json", "{json}"), 300,
             _mla_decode),
     Section("mla-prefill", (PY, "benchmarks/mla_prefill.py", "--T", "32768", "--N", "1", "--H", "96", "11",
                             "--impl", "pallas", "--peers", "jax-cudnn-mla", "torch-cudnn", "--json", "{json}"),

@@ -204,12 +204,12 @@ def _kda_decode_case(N: int, H: int):
                 _s((H,), f32), _s((H, K), f32), _s((N, H, K, K), f32), _s((N,), jnp.int32))
 
 
-def _mla_decode_case(B: int, Hq: int, context: int, cache_dtype):
+def _mla_decode_case(B: int, Hq: int, context: int, cache_dtype, tuning=None):
   from pallas_kernels import MlaDecodeConfig, mla_decode
   from pallas_kernels.mla import cache_format
   from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM
   pages = context // PAGE_SIZE
-  cfg = MlaDecodeConfig(scale=192 ** -0.5, impl="pallas")
+  cfg = MlaDecodeConfig(scale=192 ** -0.5, impl="pallas", tuning=tuning)
   width = cache_format.row_width(LATENT_DIM + ROPE_DIM, cache_dtype)
 
   def call(q, kv, table, lens):
@@ -243,6 +243,11 @@ def _mla_prefill_case(T: int, H: int):
                 _s((2,), jnp.int32))
 
 
+def _mla_tuning(**fields):
+  from pallas_kernels.mla import MlaDecodeTuning
+  return MlaDecodeTuning(**fields)
+
+
 # The benchmarks' shapes (K = V = 128 for KDA, K3's MLA dims, B = 32 at 32K for the decode).
 CASES: dict[str, Callable[[], tuple[Callable, tuple]]] = {
     "kda-prefill-8x1024-h96": lambda: _kda_prefill_case(8, 1024, 96),
@@ -255,6 +260,8 @@ CASES: dict[str, Callable[[], tuple[Callable, tuple]]] = {
     "mla-decode-hq16-bf16": lambda: _mla_decode_case(32, 16, 32768, jnp.bfloat16),
     "mla-decode-hq128-bf16": lambda: _mla_decode_case(32, 128, 32768, jnp.bfloat16),
     "mla-decode-hq16-fp8": lambda: _mla_decode_case(32, 16, 32768, jnp.float8_e4m3fn),
+    "mla-decode-hq16-fp8-regs": lambda: _mla_decode_case(32, 16, 32768, jnp.float8_e4m3fn,
+                                                         _mla_tuning(fp8_in_registers=True)),
     "mla-decode-hq128-fp8": lambda: _mla_decode_case(32, 128, 32768, jnp.float8_e4m3fn),
     "short-conv-prefill": lambda: _short_conv_case(8192, 4096, 4, 8),
     "mla-prefill-8192-h16": lambda: _mla_prefill_case(8192, 16),

@@ -54,10 +54,10 @@ def effective_num_splits(max_pages: int, num_splits: int) -> int:
   return util.cdiv(max_pages, reference.pages_per_split(max_pages, num_splits))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "partial_dtype", "narrow", "balanced", "impl",
-                                             "out_dtype"))
-def _mla_decode(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, partial_dtype, narrow, balanced, impl,
-                out_dtype):
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "partial_dtype", "narrow", "balanced",
+                                             "fp8_in_registers", "impl", "out_dtype"))
+def _mla_decode(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, partial_dtype, narrow, balanced,
+                fp8_in_registers, impl, out_dtype):
   seq_lens = seq_lens.astype(jnp.int32)
   if impl == "xla":
     o_parts, lse_parts = reference.mla_decode_partials_reference(
@@ -69,7 +69,8 @@ def _mla_decode(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, pa
       num_splits, budget = effective_num_splits(block_table.shape[1], 2 * num_splits), num_splits
     o_parts, lse_parts = kernel.mla_decode_partials_mosaic(
         q_abs, kv_cache, block_table, seq_lens, scale=scale, num_splits=num_splits,
-        partial_dtype=partial_dtype, narrow=narrow, interpret=impl == "interpret", budget=budget)
+        partial_dtype=partial_dtype, narrow=narrow, interpret=impl == "interpret", budget=budget,
+        registers=fp8_in_registers)
   return merge_partials(o_parts, lse_parts, out_dtype=out_dtype)
 
 
@@ -125,13 +126,18 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
   # (or its default) asks, and the balanced splits where the tuning asks for them.
   narrow = config.impl != "xla" and (defaults.narrow if tuning.narrow is None else tuning.narrow)
   balanced = config.impl != "xla" and tuning.balanced is True
+  fp8_in_registers = config.impl != "xla" and tuning.fp8_in_registers is True
   if narrow and not kernel.narrow_applies(num_heads, kv_cache.dtype):
     raise NotImplementedError(f"mla_decode tuning.narrow=True takes at most {kernel.NARROW_MAX_HEADS} query "
                               f"heads with a bf16 kv_cache and {kernel.FP8_NARROW_MAX_HEADS} with an fp8 one, got "
                               f"q_abs with {num_heads} and a {jnp.dtype(kv_cache.dtype).name} kv_cache")
+  if fp8_in_registers and not (narrow and cache_format.is_fp8(kv_cache.dtype)):
+    raise NotImplementedError(f"mla_decode tuning.fp8_in_registers=True needs the narrow kernel over an fp8 "
+                              f"kv_cache, got narrow={narrow} and a {jnp.dtype(kv_cache.dtype).name} kv_cache")
   return _mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=config.scale,
                      num_splits=effective_num_splits(max_pages, num_splits), partial_dtype=config.partial_dtype,
-                     narrow=narrow, balanced=balanced, impl=config.impl, out_dtype=out_dtype)
+                     narrow=narrow, balanced=balanced, fp8_in_registers=fp8_in_registers, impl=config.impl,
+                     out_dtype=out_dtype)
 
 
 def merge_partials(o_parts: jax.Array, lse_parts: jax.Array, *,

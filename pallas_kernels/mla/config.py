@@ -39,17 +39,22 @@ class MlaDecodeTuning:
       budget), so that a batch of short or mixed contexts spreads over the SMs; a batch of full sequences gets
       the equal splits. None or False: ``num_splits`` equal splits of the block table's columns for every
       sequence (the default until both layouts are timed on the GPU: ``benchmarks/mla_decode.py --layouts``).
+    fp8_in_registers: the narrow kernel over an fp8 cache only. True: the pages stay fp8 in shared memory, QK
+      runs on their e4m3 values against q split into two e4m3 parts, and ``P @ V`` converts V to f16 in
+      registers, so no f16 copy of a page is written or read. None or False: each page is converted into an f16
+      ring first (the default until both are timed on the GPU: ``benchmarks/mla_decode.py --fp8-paths``).
   """
 
   num_splits: int | None = None
   narrow: bool | None = None
   balanced: bool | None = None
+  fp8_in_registers: bool | None = None
 
   def __post_init__(self):
     if self.num_splits is not None and (isinstance(self.num_splits, bool) or not isinstance(self.num_splits, int)
                                         or self.num_splits < 1):
       raise ValueError(f"num_splits must be an int >= 1 or None, got {self.num_splits!r}")
-    for name in ("narrow", "balanced"):
+    for name in ("narrow", "balanced", "fp8_in_registers"):
       value = getattr(self, name)
       if value is not None and not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool or None, got {value!r}")

@@ -7,8 +7,10 @@ the sequence's pages by TMA into a two-slot ring that two compute warpgroups sha
 tiles the compute warpgroups dequantise each page into one bf16 tile; in the narrow kernel the memory warpgroup
 (and for each page's last piece the follower) converts it to f16 unscaled into the ring (e4m3 -> f16 is exact
 and one instruction per two values), q is taken in f16 (a q beyond f16's 65,504 gives inf, so NaN outputs), and
-the leader applies the per-token scales to the logits and to P. See README.md for the derivation, the NaN rules,
-the fp8 pages and the SMEM budget.
+the leader applies the per-token scales to the logits and to P. Opt-in (``registers``), the narrow kernel keeps
+the fp8 page as it lands: QK runs on its e4m3 values (q split into two e4m3 parts), and each compute warpgroup
+converts its V columns to f16 in registers for ``P @ V``, so no f16 copy of the page is written or read. See
+README.md for the derivation, the NaN rules, the fp8 pages and the SMEM budget.
 """
 
 import functools
@@ -59,6 +61,16 @@ PIECE_SLOTS = MEM_SLOTS + 1  # the last one: the follower's
 # The converter's register layout: 4 consecutive values of a row per thread, so a 4-byte load per 4 fp8 values
 # and an 8-byte store per 4 f16 values (the WGMMA layout moves 2 values per load and per store).
 CONVERT_LAYOUT = plgpu.Layout.WGMMA_UPCAST_2X
+# fp8 pages in registers (narrow, opt-in): four fp8 slots of [64, 576] fit where two f16 ones did, so four pages
+# are in flight. q goes in as two e4m3 parts, q = s_q (q_hi + q_lo / Q_LO_FACTOR) per head: |q / s_q| <= 448 leaves
+# a remainder of at most 448 / 16, so q_lo = e4m3(remainder * 16) stays in range and the pair carries about 8 bits
+# of each element, near bf16's.
+REG_STAGES = 4
+Q_LO_FACTOR = 16.0
+# The pages' bytes as uint16 pairs: a transposed 16-bit load puts two tokens' pairs in a register, and two bit
+# operations per pair make the f16 operands of V^T (the even and the odd latent columns) without a conversion
+# unit. ``e4m3_pair_to_f16`` gives each value times 2^-8 (F16_UNIT), which the accumulator's unit absorbs.
+F16_UNIT = 2.0 ** -8
 
 
 def narrow_applies(num_heads: int, cache_dtype) -> bool:
@@ -69,12 +81,47 @@ def narrow_applies(num_heads: int, cache_dtype) -> bool:
   return num_heads <= NARROW_MAX_HEADS and jnp.dtype(cache_dtype) == jnp.bfloat16
 
 
+def split_e4m3(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """q ``[B, R, 576]`` as two e4m3 parts and a scale per row: ``[B, 2 R, 576]`` (the R ``q_hi`` rows, then the R
+  ``q_lo`` rows) and ``s_q [B, R]`` f32, with ``q = s_q * (q_hi + q_lo / Q_LO_FACTOR)`` to about 2^-8 of each
+  element (2^-10 * s_q absolute below e4m3's normal range). A row with a NaN or inf has a non-finite ``s_q``
+  (NaN parts), so its logits are NaN; an all-zero row gets ``s_q = 1``."""
+  x = q.astype(jnp.float32)
+  amax = cache_format.amax(x)
+  s_q = jnp.where(amax == 0, 1.0, amax / cache_format.FP8_MAX)
+  x = x / s_q
+  hi = jnp.clip(x, -cache_format.FP8_MAX, cache_format.FP8_MAX).astype(cache_format.FP8)
+  lo = ((x - hi.astype(jnp.float32)) * Q_LO_FACTOR).astype(cache_format.FP8)
+  return jnp.concatenate([hi, lo], axis=1), s_q[..., 0]
+
+
+def e4m3_pair_to_f16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """uint16 words of two e4m3 bytes each as two f16 arrays of the same shape: the low bytes' and the high bytes'
+  values, each times ``F16_UNIT`` (2^-8), exactly. The byte ``s eeee mmm`` moved to f16's sign, the low four bits
+  of its exponent and the top of its mantissa is ``2^(e - 15) (1 + m / 8)`` for e > 0 and ``2^-14 m / 8`` for
+  e = 0, against e4m3's ``2^(e - 7) ...`` and ``2^-6 m / 8``. e4m3's NaN byte becomes 480 (times 2^-8): a cache
+  row written with a NaN has a NaN scale, which makes that token's logits and P NaN, and a NaN byte in a row past
+  the sequence meets P = 0 as a finite value."""
+  sign = jnp.uint16(0x8000)
+  body = jnp.uint16(0x3F80)  # the 4 exponent and 3 mantissa bits in f16's bits 13..7
+  low = ((x << jnp.uint16(8)) & sign) | ((x << jnp.uint16(7)) & body)
+  high = (x & sign) | ((x >> jnp.uint16(1)) & body)
+  return lax.bitcast_convert_type(low, jnp.float16), lax.bitcast_convert_type(high, jnp.float16)
+
+
 def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: int, scale: float,
-          smem_operands: bool, fp8: bool, narrow: bool):
+          smem_operands: bool, fp8: bool, narrow: bool, registers: bool, stages: int):
   # fp8 pages: the compute warpgroups dequantise them into one bf16 tile (64-row tiles), or the memory warpgroup
-  # converts them unscaled into the f16 ring (narrow), and the compute warpgroups apply the per-token scales.
-  dequant, convert = fp8 and not narrow, fp8 and narrow
-  if dequant:
+  # converts them unscaled into the f16 ring (narrow), and the compute warpgroups apply the per-token scales; or
+  # (``registers``, narrow) the pages stay fp8 in SMEM, QK reads them as e4m3 and ``P @ V`` converts V in
+  # registers.
+  dequant, convert = fp8 and not narrow, fp8 and narrow and not registers
+  if registers:
+    (words_ref, kv16_ref, qs_ref, table_ref, lens_ref, total_ref, o_ref, lse_ref, q_smem, ring, p_smem, row_smem,
+     lse_smem, q_bar, kv_bar, consumed_bar, p_ready_bar, p_free_bar, piece_scales, scale_bar, ring_scales, qs_smem,
+     *a_smem) = refs
+    kv_smem, kv16_smem, o_stage = ring
+  elif dequant:
     (words_ref, table_ref, lens_ref, total_ref, o_ref, lse_ref, q_smem, ring, row_smem, lse_smem, q_bar, kv_bar,
      consumed_bar, p_ready_bar, p_free_bar, tile_ready_bar, tile_free_bar) = refs
     (raw, scales, kv_tile), p_ring, o_stage = ring
@@ -98,7 +145,8 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
                                  batch=lens_ref.shape[0], num_splits=num_splits)
   first_page = split * width
   num_pages = jnp.clip(seq_pages - first_page, 0, width)
-  rows = q_smem.shape[0]  # head rows of a program: a 64-row tile, or narrow: all heads rounded up to 8
+  # head rows of a program: a 64-row tile, or narrow: all heads rounded up to 8 (registers: q_hi's, then q_lo's)
+  rows = q_smem.shape[0] // (2 if registers else 1)
   row0 = pl.multiple_of(hb * rows, rows)
   head_blocks = util.cdiv(out_rows, rows)
   last_rows = out_rows - (head_blocks - 1) * rows
@@ -122,7 +170,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     """Where P of page i goes: one buffer; fp8 with 64-row tiles: the first rows of page i's ring slot, whose values
     are in the bf16 tile by then (the slot goes back to the memory warpgroup only after ``P @ V``)."""
     if dequant:
-      return p_ring.at[lax.rem(i, STAGES), pl.ds(0, rows)]
+      return p_ring.at[lax.rem(i, stages), pl.ds(0, rows)]
     return p_smem
 
   def accumulate(acc, alpha, tile, cols, p_ref):
@@ -137,17 +185,37 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
 
     return util.accumulate(pv, acc, from_inits=not smem_operands)[0]
 
+  def accumulate_fp8(acc, alpha, slot, w, p_ref):
+    """``registers``: ``acc * alpha + V^T @ P^T`` over warpgroup w's latent columns, V^T straight from the fp8
+    slot: a transposed load of its uint16 pairs (two tokens' pairs per register) gives the f16 operands of the
+    even and the odd columns (``e4m3_pair_to_f16``), so ``acc`` is a pair, those columns' ``[COLS / 2, rows]``
+    accumulators."""
+    acc = tuple(a * along_heads(alpha, a.shape) for a in acc)
+    pairs = plgpu.load(kv16_smem.at[slot, :, pl.ds(w * (COLS // 2), COLS // 2)].T, layout=plgpu.Layout.WGMMA)
+    operands = e4m3_pair_to_f16(pairs)
+    if a_smem:  # interpret mode takes the products' operands from SMEM only
+      for k, x in enumerate(operands):
+        a_smem[0].at[w, k][...] = x
+      plgpu.commit_smem()
+      operands = tuple(a_smem[0].at[w, k] for k in range(len(operands)))
+
+    def pv(*acc_refs):
+      for acc_ref, a in zip(acc_refs, operands):
+        plgpu.wgmma(acc_ref, a, p_ref.T)
+
+    return util.accumulate(pv, *acc, from_inits=not smem_operands)
+
   def release(i, slot):
     """Hands ring slot ``slot`` back to the memory warpgroup after page ``i``, if that slot is loaded again.
 
-    The memory warpgroup waits on ``consumed_bar[slot]`` only before it loads page ``i + STAGES`` into the
-    slot, so the last ``STAGES`` pages of a split are never released: an arrival for them would complete a
+    The memory warpgroup waits on ``consumed_bar[slot]`` only before it loads page ``i + stages`` into the
+    slot, so the last ``stages`` pages of a split are never released: an arrival for them would complete a
     barrier phase that no warpgroup awaits. On the GPU that is no race (the memory warpgroup has issued its
     last copy and waits for nothing more), but every thread that waits on a barrier must observe each of
     its phases, and interpret mode checks that when the barrier is deallocated (it failed from 3 pages per
     split on, once the memory warpgroup had awaited an earlier phase of slot 0).
     """
-    pl.when(i + STAGES < num_pages)(lambda: plgpu.barrier_arrive(consumed_bar.at[slot]))
+    pl.when(i + stages < num_pages)(lambda: plgpu.barrier_arrive(consumed_bar.at[slot]))
 
   def row_scales(words_ref, valid_rows=None):
     """A page's ``[64, 8]`` scale words as row vectors: the latent and the rope scales, and given the number of
@@ -181,7 +249,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     """Page i's ``[64, 576]`` bf16 tile for warpgroup w's QK / ``P @ V``. bf16: the ring slot itself. fp8: both
     compute warpgroups dequantise the slot into the one bf16 tile, once the previous page's ``P @ V`` is done
     with it."""
-    slot = lax.rem(i, STAGES)
+    slot = lax.rem(i, stages)
     plgpu.barrier_wait(kv_bar.at[slot])
     if not dequant:
       return kv_smem.at[slot]
@@ -198,7 +266,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     ``release``)."""
     if dequant:
       pl.when(i + 1 < num_pages)(lambda: plgpu.barrier_arrive(tile_free_bar))
-    release(i, lax.rem(i, STAGES))
+    release(i, lax.rem(i, stages))
 
   def store_rows(copy):
     """``copy(n)`` stores the first n rows of this head tile: only real heads (rounded up to 8) reach HBM."""
@@ -209,13 +277,25 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     pl.when(hb == head_blocks - 1)(lambda: copy(last_rows))
 
   def epilogue(w, acc, inv_l):
-    o_stage[w] = (acc * along_heads(inv_l, acc.shape)).astype(o_stage.dtype)
+    if registers:  # a row of the stage: an even column's heads, then the next odd column's (O^T's rows in order)
+      for k, a in enumerate(acc):
+        o_stage.at[w, :, pl.ds(k * rows, rows)][...] = (a * along_heads(inv_l, a.shape)).astype(o_stage.dtype)
+    else:
+      o_stage[w] = (acc * along_heads(inv_l, acc.shape)).astype(o_stage.dtype)
     plgpu.commit_smem()
     if narrow:  # O^T as it is: the output is [..., 512, heads] (one program holds every head)
-      plgpu.copy_smem_to_gmem(o_stage.at[w], o_ref.at[split, b, pl.ds(w * COLS, COLS)])
+      stage_rows = o_stage.shape[1]
+      plgpu.copy_smem_to_gmem(o_stage.at[w], o_ref.at[split, b, pl.ds(w * stage_rows, stage_rows)])
       return
     store_rows(lambda n: plgpu.copy_smem_to_gmem(
         o_stage.at[w, pl.ds(0, n)], o_ref.at[split, b, pl.ds(row0, n), pl.ds(w * COLS, COLS)]))
+
+  def zero_acc():
+    """A compute warpgroup's accumulator at 0: ``registers``, the even and the odd columns' pair."""
+    if registers:
+      half = (COLS // 2, rows)
+      return tuple(plgpu.layout_cast(jnp.zeros(half, jnp.float32), plgpu.Layout.WGMMA) for _ in range(2))
+    return plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
 
   def leader():
     """Warpgroup 0: QK and the softmax for the whole page, then its half of ``P @ V``."""
@@ -226,9 +306,12 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     phases.start("wg0_q_wait")
     plgpu.barrier_wait(q_bar)
     phases.end()
+    # registers: each head's s_q (q = s_q (q_hi + q_lo / Q_LO_FACTOR)) with the softmax scale
+    q_scale = plgpu.load(qs_smem, layout=head_layout) * (scale * LOG2E) if registers else None
+    scaled = convert or registers  # the per-token scales enter S and P here
 
     def page_step(i, carry):
-      acc, m, l, v_scale = carry if convert else (*carry, None)
+      acc, m, l, v_scale = carry if scaled else (*carry, None)
       phases.start("wg0_acquire")
       tile = acquire(i, 0)
       page_start = (first_page + i) * PAGE_SIZE
@@ -242,7 +325,8 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
         return acc_ref[...]
 
       def qk_parts(latent_ref, rope_ref):
-        """fp8, narrow: the unscaled latent and rope parts of ``S^T``, each to be scaled per token."""
+        """fp8, narrow: the unscaled latent and rope parts of ``S^T``, each to be scaled per token (registers: over
+        the e4m3 page against q's two parts)."""
         for acc_ref, part in ((latent_ref, pl.ds(0, LATENT_DIM)), (rope_ref, pl.ds(LATENT_DIM, ROPE_DIM))):
           plgpu.wgmma(acc_ref, tile.at[:, part], q_smem.at[:, part].T)
         return latent_ref[...], rope_ref[...]
@@ -250,12 +334,15 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       shape = (PAGE_SIZE, rows) if narrow else (rows, PAGE_SIZE)
       token = plgpu.broadcasted_iota(jnp.int32, shape, token_axis, layout=plgpu.Layout.WGMMA)
       valid = token < seq_len - page_start
-      if convert:
-        slot = lax.rem(i, STAGES)
+      slot = lax.rem(i, stages)
+      if scaled:
         s_c, s_pe = (lax.broadcast_in_dim(plgpu.load(ring_scales.at[slot, k], layout=TOKEN_LAYOUT), shape, (0,))
                      for k in (0, 1))
-        s_latent, s_rope = pl.run_scoped(qk_parts, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
-        s = (s_latent * s_c + s_rope * s_pe) * (scale * LOG2E)
+        acc_s = (PAGE_SIZE, 2 * rows) if registers else shape
+        s_latent, s_rope = pl.run_scoped(qk_parts, plgpu.ACC(acc_s, jnp.float32), plgpu.ACC(acc_s, jnp.float32))
+        if registers:  # e4m3 products against [q_hi | q_lo]: the hi heads' columns, then the lo heads'
+          s_latent, s_rope = (x[:, :rows] + x[:, rows:] * (1.0 / Q_LO_FACTOR) for x in (s_latent, s_rope))
+        s = (s_latent * s_c + s_rope * s_pe) * (along_heads(q_scale, shape) if registers else scale * LOG2E)
       else:
         s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32)) * (scale * LOG2E)
       s = jnp.where(valid, s, -jnp.inf)
@@ -271,7 +358,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
         plgpu.barrier_wait(p_free_bar)  # warpgroup 1 is done with the previous page's P and alpha
 
       p_ref = p_tile(i)
-      if convert:
+      if scaled:
         # The latent scales enter P @ V through P, relative to the page's largest (so P stays in [0, 1], clear of
         # f16's subnormals); the accumulator is kept in units of the current page's largest scale, hence alpha's
         # extra factor. The follower's page_scales wrote both (the ratios are 0 past seq_len, where P is 0 too).
@@ -286,15 +373,18 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready_bar)
       phases.start("wg0_pv")
-      acc = accumulate(acc, alpha, tile, cols, p_ref)
+      if registers:
+        acc = accumulate_fp8(acc, alpha, slot, 0, p_ref)
+      else:
+        acc = accumulate(acc, alpha, tile, cols, p_ref)
       done(i)
       phases.end()
-      return (acc, m_new, l, v_scale) if convert else (acc, m_new, l)
+      return (acc, m_new, l, v_scale) if scaled else (acc, m_new, l)
 
-    acc = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
+    acc = zero_acc()
     m = plgpu.layout_cast(jnp.full((rows,), INIT_MAX, jnp.float32), head_layout)
     l = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), head_layout)
-    if convert:  # the accumulator's unit (see page_step)
+    if scaled:  # the accumulator's unit (see page_step)
       ones = plgpu.layout_cast(jnp.ones((rows,), jnp.float32), head_layout)
       acc, m, l, v_scale = lax.fori_loop(0, num_pages, page_step, (acc, m, l, ones))
     else:
@@ -310,8 +400,8 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     l = jnp.where(l == 0, jnp.where(num_pages > 0, jnp.nan, 0.0), l)
     empty = l == 0
     inv_l = jnp.where(empty, 0.0, 1.0 / l)
-    if convert:
-      inv_l = inv_l * v_scale
+    if scaled:  # registers: V's f16 operands are its values times F16_UNIT
+      inv_l = inv_l * (v_scale / F16_UNIT if registers else v_scale)
     row_smem[...] = inv_l
     lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l)) * LN2)
     plgpu.commit_smem()
@@ -336,10 +426,17 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       if convert:  # while the leader computes QK and the softmax of page i
         phases.start("wg1_convert")
         pl.when(i + 1 < num_pages)(lambda: convert_last_piece(i + 1))
+      if registers:
+        phases.start("wg1_scales")
+        pl.when(i + 1 < num_pages)(lambda: scales_ahead(i + 1))
       phases.start("wg1_p_wait")
       plgpu.barrier_wait(p_ready_bar)
       phases.start("wg1_pv")
-      acc = accumulate(acc, plgpu.load(row_smem, layout=head_layout), tile, cols, p_tile(i))
+      alpha = plgpu.load(row_smem, layout=head_layout)
+      if registers:
+        acc = accumulate_fp8(acc, alpha, lax.rem(i, stages), 1, p_tile(i))
+      else:
+        acc = accumulate(acc, alpha, tile, cols, p_tile(i))
       plgpu.barrier_arrive(p_free_bar)
       done(i)
       phases.end()
@@ -347,8 +444,9 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
 
     if convert:
       pl.when(num_pages > 0)(lambda: convert_last_piece(0))
-    acc = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
-    acc = lax.fori_loop(0, num_pages, page_step, acc)
+    if registers:
+      pl.when(num_pages > 0)(lambda: scales_ahead(0))
+    acc = lax.fori_loop(0, num_pages, page_step, zero_acc())
     plgpu.barrier_wait(p_ready_bar)  # the leader's 1 / l, and the leader is done with the ring
     epilogue(1, acc, plgpu.load(row_smem, layout=head_layout))
     util.finish_stores()
@@ -366,7 +464,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     plgpu.copy_gmem_to_smem(kv_ref.at[page, :, pl.ds(p * PIECE_COLS, PIECE_COLS)], pieces.at[staged],
                             piece_bar.at[staged])
     if p == MEM_PIECES:
-      s = lax.rem(i, STAGES)
+      s = lax.rem(i, stages)
       plgpu.copy_gmem_to_smem(words_ref.at[page, :, pl.ds(SCALE_WORD0, SCALE_WORDS)], piece_scales.at[s],
                               scale_bar.at[s])
 
@@ -407,8 +505,8 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     it (once the slot's previous page is consumed, as the memory warpgroup waits for it too), the loads of page
     i + 1's last piece and scale words into the freed staging, and the follower's arrival on the page's
     ``kv_bar``."""
-    slot = lax.rem(i, STAGES)
-    pl.when(i >= STAGES)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
+    slot = lax.rem(i, stages)
+    pl.when(i >= stages)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
     plgpu.barrier_wait(piece_bar.at[MEM_SLOTS])
     page_start = (first_page + i) * PAGE_SIZE
     piece = functools.partial(convert_piece, MEM_SLOTS, slot, MEM_PIECES, page_start)
@@ -418,6 +516,15 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     page_scales(slot, page_start)
     plgpu.commit_smem()
     pl.when(i + 1 < num_pages)(functools.partial(issue_piece, i + 1, MEM_PIECES))
+    plgpu.barrier_arrive(kv_bar.at[slot])
+
+  def scales_ahead(i):
+    """``registers``, on the follower: page i's scale vectors beside its slot (``page_scales``), then the
+    follower's arrival on the page's ``kv_bar`` (the other arrival: its values' TMA). The leader last read those
+    vectors for page ``i - stages``, in a hand-off that the follower's ``P @ V`` of page ``i - 2`` waited for."""
+    slot = lax.rem(i, stages)
+    page_scales(slot, (first_page + i) * PAGE_SIZE)
+    plgpu.commit_smem()
     plgpu.barrier_arrive(kv_bar.at[slot])
 
   def convert_pages(phases):
@@ -430,9 +537,9 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
 
     @pl.loop(0, num_pages)
     def _(i):
-      slot = lax.rem(i, STAGES)
+      slot = lax.rem(i, stages)
       phases.start("mem_slot_wait")
-      pl.when(i >= STAGES)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
+      pl.when(i >= stages)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
       page_start = (first_page + i) * PAGE_SIZE
       last = page_start + PAGE_SIZE > seq_len
       for p in range(MEM_PIECES):
@@ -457,7 +564,11 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
   def _memory():
     if not (smem_operands or convert):
       plgpu.set_max_registers(40, action="decrease")
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, rows)], q_smem, q_bar)
+    if registers:  # q_hi and q_lo, and s_q
+      plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
+      plgpu.copy_gmem_to_smem(qs_ref.at[b], qs_smem, q_bar)
+    else:
+      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, rows)], q_smem, q_bar)
     phases = util.Phases()
     if convert:
       convert_pages(phases)
@@ -465,16 +576,22 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
 
     @pl.loop(0, num_pages)
     def _(i):
-      slot = lax.rem(i, STAGES)
+      slot = lax.rem(i, stages)
       phases.start("mem_slot_wait")
 
-      @pl.when(i >= STAGES)
+      @pl.when(i >= stages)
       def _():
         plgpu.barrier_wait(consumed_bar.at[slot])
 
       phases.start("mem_issue")
       page = table_ref[b, first_page + i]
-      if fp8:
+      if registers:
+        plgpu.copy_gmem_to_smem(kv_ref.at[page, :, pl.ds(0, DIM)], kv_smem.at[slot], kv_bar.at[slot])
+        if a_smem:  # interpret mode: the uint16 view is a buffer of its own (its RefUnion does not alias)
+          plgpu.copy_gmem_to_smem(kv16_ref.at[page, :, pl.ds(0, DIM // 2)], kv16_smem.at[slot], kv_bar.at[slot])
+        plgpu.copy_gmem_to_smem(words_ref.at[page, :, pl.ds(SCALE_WORD0, SCALE_WORDS)], piece_scales.at[slot],
+                                scale_bar.at[slot])
+      elif fp8:
         plgpu.copy_gmem_to_smem(kv_ref.at[page, :, pl.ds(0, DIM)], raw.at[slot], kv_bar.at[slot])
         plgpu.copy_gmem_to_smem(words_ref.at[page, :, pl.ds(SCALE_WORD0, SCALE_WORDS)], scales.at[slot],
                                 kv_bar.at[slot])
@@ -484,9 +601,9 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "budget", "partial_dtype", "narrow",
-                                             "interpret", "smem_operands"))
+                                             "interpret", "smem_operands", "registers"))
 def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, budget, partial_dtype, narrow,
-              interpret, smem_operands):
+              interpret, smem_operands, registers):
   batch, num_heads, dim = q_abs.shape
   out_rows = util.cdiv(num_heads, 8) * 8  # TMA stores whole 8-row groups of the tiled staging buffer
   rows = out_rows if narrow else HEAD_TILE  # head rows of one program
@@ -495,11 +612,11 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, budg
   fp8 = cache_format.is_fp8(kv_cache.dtype)
   # fp8, narrow: the products run in f16 (e4m3 -> f16 is exact; the scales are applied to S and to P).
   tile_dtype = (jnp.float16 if narrow else jnp.bfloat16) if fp8 else kv_cache.dtype
-  if fp8 and narrow:
+  if fp8 and narrow and not registers:
     q_pad = q_pad.astype(jnp.float16)
   tile = lambda shape, dtype: plgpu.SMEM(shape, dtype, transforms=util.smem_transforms(dtype, shape[-1]))
   o_stage = tile((COMPUTE_WGS,) + ((COLS, rows) if narrow else (rows, COLS)), partial_dtype)
-  inputs, extra = (q_pad, kv_cache), ()
+  inputs, extra, stages, q_bar = (q_pad, kv_cache), (), STAGES, plgpu.Barrier()
   p_smem = (tile((rows, PAGE_SIZE), tile_dtype),)
   if fp8:
     # The same bytes as f32 words (a bitcast, no copy): the memory warpgroup loads the scales from there.
@@ -510,7 +627,28 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, budg
   fp8_slots = lambda n, cols: plgpu.SMEM((n, PAGE_SIZE, cols), kv_cache.dtype,
                                          transforms=(plgpu.TilingTransform((8, FP8_TILE_COLS)),
                                                      plgpu.SwizzleTransform(FP8_TILE_COLS)))
-  if fp8 and narrow:
+  if registers:
+    # The fp8 ring read two ways: as e4m3 by QK, as uint16 pairs by the conversion of V (and the output stage
+    # once the pages are done). On the GPU one RefUnion; interpret mode, whose RefUnion does not alias, loads the
+    # uint16 view (the same bytes in GMEM, a bitcast) into a buffer of its own and stages the products' register
+    # operands in SMEM. kv_bar: the values' TMA (and interpret's second one) and the follower's page scales.
+    stages = REG_STAGES
+    q8, q_scale = split_e4m3(q_pad)
+    pairs = lax.bitcast_convert_type(kv_cache.reshape(kv_cache.shape[:2] + (ROW_WORDS * 2, 2)), jnp.uint16)
+    inputs = (q8, kv_cache, words, pairs, q_scale)
+    views = (fp8_slots(stages, DIM),
+             plgpu.SMEM((stages, PAGE_SIZE, DIM // 2), jnp.uint16,
+                        transforms=(plgpu.TilingTransform((8, FP8_TILE_COLS // 2)),
+                                    plgpu.SwizzleTransform(FP8_TILE_COLS))),
+             plgpu.SMEM((COMPUTE_WGS, COLS // 2, 2 * rows), partial_dtype))
+    ring = views if interpret else plgpu.RefUnion(*views)
+    q_bar = plgpu.Barrier(num_arrivals=2)
+    kv_bar = plgpu.Barrier(num_arrivals=3 if interpret else 2, num_barriers=stages)
+    extra = (plgpu.SMEM((stages, PAGE_SIZE, SCALE_WORDS), jnp.float32), plgpu.Barrier(num_barriers=stages),
+             plgpu.SMEM((stages, 5, PAGE_SIZE), jnp.float32), plgpu.SMEM((rows,), jnp.float32))
+    if interpret:
+      extra += (tile((COMPUTE_WGS, 2, COLS // 2, PAGE_SIZE), jnp.float16),)
+  elif fp8 and narrow:
     # An f16 ring, which the memory warpgroup and the follower fill from the fp8 staging slots (a page is ready
     # when both have arrived), and the per-token scales beside it.
     ring = plgpu.RefUnion(tile((STAGES, PAGE_SIZE, DIM), tile_dtype), o_stage)
@@ -533,11 +671,13 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, budg
   else:
     ring = plgpu.RefUnion(tile((STAGES, PAGE_SIZE, DIM), kv_cache.dtype), o_stage)
     kv_bar = plgpu.Barrier(num_barriers=STAGES)
+  # registers: each row of O^T's stage holds two latent columns (``epilogue``), the same bytes as [512, rows].
+  o_shape = ((LATENT_DIM // 2, 2 * out_rows) if registers else (LATENT_DIM, out_rows)) if narrow else (
+      out_rows, LATENT_DIM)
   kernel = plgpu.kernel(
-      functools.partial(_body, num_splits=num_splits, budget=budget, out_rows=out_rows,
-                        scale=scale, smem_operands=smem_operands, fp8=fp8, narrow=narrow),
-      out_type=(jax.ShapeDtypeStruct((num_splits, batch) + ((LATENT_DIM, out_rows) if narrow else
-                                                            (out_rows, LATENT_DIM)), partial_dtype),
+      functools.partial(_body, num_splits=num_splits, budget=budget, out_rows=out_rows, scale=scale,
+                        smem_operands=smem_operands, fp8=fp8, narrow=narrow, registers=registers, stages=stages),
+      out_type=(jax.ShapeDtypeStruct((num_splits, batch) + o_shape, partial_dtype),
                 jax.ShapeDtypeStruct((num_splits, batch, out_rows), jnp.float32)),
       # Row-major: the last grid axis is the fastest (Mosaic GPU maps it to CUDA's x, dispatched first), so the
       # head blocks of one (split, sequence) run at the same time and the second reads the pages from L2.
@@ -545,16 +685,17 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, budg
       grid_names=("split", "b", "hb"),
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
-      kernel_name="mla_decode_" + ("narrow" if narrow else "wide") + ("_fp8" if fp8 else ""),
+      kernel_name="mla_decode_" + ("narrow" if narrow else "wide") + ("_fp8" if fp8 else "") + (
+          "_regs" if registers else ""),
       scratch_types=(
-          tile((rows, dim), q_pad.dtype),
+          tile(inputs[0].shape[1:], inputs[0].dtype) if registers else tile((rows, dim), q_pad.dtype),
           ring,
           *p_smem,
           plgpu.SMEM((rows,), jnp.float32),
           plgpu.SMEM((rows,), jnp.float32),
-          plgpu.Barrier(),
+          q_bar,
           kv_bar,
-          plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES),
+          plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
           plgpu.Barrier(),
           plgpu.Barrier(),
       ) + extra,
@@ -581,15 +722,15 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, budg
                   else jnp.zeros((1,), jnp.int32))
     o_parts, lse_parts = kernel(*inputs, block_table, seq_lens, page_total)
   if narrow:
-    o_parts = jnp.swapaxes(o_parts, 2, 3)  # a small transpose that XLA fuses into the merge
+    o_parts = jnp.swapaxes(o_parts.reshape(o_parts.shape[:2] + (LATENT_DIM, out_rows)), 2, 3)  # fused into the merge
   return o_parts[:, :, :num_heads], lse_parts[:, :, :num_heads]
 
 
 def mla_decode_partials_mosaic(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array,
                                seq_lens: jax.Array, *, scale: float, num_splits: int,
                                partial_dtype: jnp.dtype, interpret: bool, narrow: bool = False,
-                               smem_operands: bool | None = None,
-                               budget: int | None = None) -> tuple[jax.Array, jax.Array]:
+                               smem_operands: bool | None = None, budget: int | None = None,
+                               registers: bool = False) -> tuple[jax.Array, jax.Array]:
   """Kernel path of ``mla_decode``: the split partials, as ``reference.mla_decode_partials_reference`` (which has
   the equal splits of ``budget=None``).
 
@@ -607,6 +748,9 @@ def mla_decode_partials_mosaic(q_abs: jax.Array, kv_cache: jax.Array, block_tabl
     budget: balanced splits: ``budget * B`` programs spread over the sequences by the pages they hold, each
       sequence over at most its S splits (``reference.balanced_split_width``; ``mla_decode`` takes S = twice the
       budget). None: every sequence in S equal splits of ``pages_per_split(max_pages, S)`` pages.
+    registers: narrow with an fp8 cache only: the pages stay fp8 in SMEM, QK runs on their e4m3 values against q
+      split in two e4m3 parts (``split_e4m3``) and ``P @ V`` converts V to f16 in registers (interpret mode:
+      through SMEM, so ``smem_operands`` must equal ``interpret``).
 
   Returns:
     ``o_parts [S, B, Hq, 512]`` in ``partial_dtype`` (normalised) and ``lse_parts [S, B, Hq]`` f32 natural
@@ -616,6 +760,11 @@ def mla_decode_partials_mosaic(q_abs: jax.Array, kv_cache: jax.Array, block_tabl
     raise NotImplementedError(f"the narrow MLA decode kernel takes at most {NARROW_MAX_HEADS} heads with a bf16 "
                               f"cache or {FP8_NARROW_MAX_HEADS} with an fp8 one, got {q_abs.shape[1]} and "
                               f"{jnp.dtype(kv_cache.dtype).name}")
+  smem_operands = interpret if smem_operands is None else smem_operands
+  if registers and not (narrow and cache_format.is_fp8(kv_cache.dtype) and smem_operands == interpret):
+    raise NotImplementedError(f"registers=True takes the narrow kernel over an fp8 cache, with smem_operands equal "
+                              f"to interpret; got narrow={narrow}, {jnp.dtype(kv_cache.dtype).name}, "
+                              f"smem_operands={smem_operands}, interpret={interpret}")
   return _partials(q_abs, kv_cache, block_table, seq_lens, scale=scale, num_splits=num_splits, budget=budget,
                    partial_dtype=jnp.dtype(partial_dtype), narrow=narrow, interpret=interpret,
-                   smem_operands=interpret if smem_operands is None else smem_operands)
+                   smem_operands=smem_operands, registers=registers)
