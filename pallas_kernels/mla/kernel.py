@@ -83,9 +83,9 @@ def narrow_applies(num_heads: int, cache_dtype) -> bool:
 
 def split_e4m3(q: jax.Array) -> tuple[jax.Array, jax.Array]:
   """q ``[B, R, 576]`` as two e4m3 parts and a scale per row: ``[B, 2 R, 576]`` (the R ``q_hi`` rows, then the R
-  ``q_lo`` rows) and ``s_q [B, R]`` f32, with ``q = s_q * (q_hi + q_lo / Q_LO_FACTOR)`` to about 2^-8 of each
-  element (2^-10 * s_q absolute below e4m3's normal range). A row with a NaN or inf has a non-finite ``s_q``
-  (NaN parts), so its logits are NaN; an all-zero row gets ``s_q = 1``."""
+  ``q_lo`` rows) and ``s_q [B, R]`` f32, with ``q = s_q * (q_hi + q_lo / Q_LO_FACTOR)`` to ``2^-8 |q| + 2^-14
+  s_q`` per element (e4m3's 2^-4 twice, or its subnormal spacing). A row with a NaN or inf has a non-finite
+  ``s_q`` (NaN parts), so its logits are NaN; an all-zero row gets ``s_q = 1``."""
   x = q.astype(jnp.float32)
   amax = cache_format.amax(x)
   s_q = jnp.where(amax == 0, 1.0, amax / cache_format.FP8_MAX)
