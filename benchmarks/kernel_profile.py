@@ -5,12 +5,12 @@ Run on the GPU machine from the repository root::
 
   PYTHONPATH=. python3 benchmarks/kernel_profile.py kda-prefill [--lens 8192] [--heads 96] [--ckpt 0] [--space 512]
   PYTHONPATH=. python3 benchmarks/kernel_profile.py mla-decode [--batch 32] [--context 32768] [--heads 128]
-      [--wide] [--cache-dtype bfloat16] [--space 16]
+      [--wide] [--cache-dtype bfloat16] [--fp8-in-registers] [--space 16]
 
 It sets ``util.PROFILE_DIR_ENV`` (and ``util.PROFILE_SPACE_ENV``) before anything is traced, runs one call of the
 op (impl pallas; kda-prefill: K = V = 128, bf16 inputs, lower-bound gate, f32 state; mla-decode: a bf16 or fp8 cache,
-all sequences at full length, the default tuning or ``--wide``), and summarises the Chrome trace that each kernel
-of the call writes (``DIR/*-trace.json``): per kernel, the programs traced, the
+all sequences at full length, the default tuning, ``--wide`` or ``--fp8-in-registers``), and summarises the Chrome
+trace that each kernel of the call writes (``DIR/*-trace.json``): per kernel, the programs traced, the
 median span of a program's warpgroup (first entry to last exit) and, per phase (``util.Phases`` in the kernel),
 its occurrences per program, the median time of one occurrence and the median total per program, with its share
 of the span. The times are of one warpgroup, waits included (a phase that waits for a TMA shows the load), in
@@ -104,10 +104,11 @@ def run_mla_decode(args: argparse.Namespace) -> str:
   q = jax.random.normal(kq, (args.batch, args.heads, LATENT_DIM + ROPE_DIM), jnp.bfloat16)
   lens = jnp.full((args.batch,), args.context, jnp.int32)
   config = MlaDecodeConfig(scale=K3_MLA_SCALE, impl="pallas",
-                           tuning=MlaDecodeTuning(narrow=False) if args.wide else None)
+                           tuning=MlaDecodeTuning(narrow=False if args.wide else None,
+                                                  fp8_in_registers=args.fp8_in_registers))
   jax.block_until_ready(jax.jit(lambda *a: mla_decode(*a, config=config))(q, cache, table, lens))
   return (f"mla_decode B={args.batch} context={args.context} Hq={args.heads} {args.cache_dtype} cache"
-          f"{' wide' if args.wide else ''}")
+          f"{' wide' if args.wide else ''}{' fp8 in registers' if args.fp8_in_registers else ''}")
 
 
 OPS = {"kda-prefill": (run_kda_prefill, 512), "mla-decode": (run_mla_decode, 16)}
@@ -124,6 +125,9 @@ def main() -> int:
   parser.add_argument("--wide", action="store_true", help="mla-decode: the 64-row head tiles at any Hq")
   parser.add_argument("--cache-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16",
                       help="mla-decode: the latent cache's dtype")
+  parser.add_argument("--fp8-in-registers", action="store_true",
+                      help="mla-decode: the narrow kernel's fp8 pages in registers "
+                           "(`MlaDecodeTuning.fp8_in_registers`)")
   parser.add_argument("--space", type=int, default=None, help="phases recorded per warpgroup (default: per op)")
   parser.add_argument("--out", default="/tmp/k3jax-profile", help="trace directory (emptied of old traces)")
   parser.add_argument("--json", help="also write the summaries here")

@@ -185,11 +185,12 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
 
     return util.accumulate(pv, acc, from_inits=not smem_operands)[0]
 
-  def accumulate_fp8(acc, alpha, slot, w, p_ref):
+  def accumulate_fp8(acc, alpha, slot, w, p_ref, phases):
     """``registers``: ``acc * alpha + V^T @ P^T`` over warpgroup w's latent columns, V^T straight from the fp8
     slot: a transposed load of its uint16 pairs (two tokens' pairs per register) gives the f16 operands of the
     even and the odd columns (``e4m3_pair_to_f16``), so ``acc`` is a pair, those columns' ``[COLS / 2, rows]``
-    accumulators."""
+    accumulators. The profiler sees the conversion and the products as two phases."""
+    phases.start(f"wg{w}_v_convert")
     acc = tuple(a * along_heads(alpha, a.shape) for a in acc)
     pairs = plgpu.load(kv16_smem.at[slot, :, pl.ds(w * (COLS // 2), COLS // 2)].T, layout=plgpu.Layout.WGMMA)
     operands = e4m3_pair_to_f16(pairs)
@@ -198,6 +199,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
         a_smem[0].at[w, k][...] = x
       plgpu.commit_smem()
       operands = tuple(a_smem[0].at[w, k] for k in range(len(operands)))
+    phases.start(f"wg{w}_pv")
 
     def pv(*acc_refs):
       for acc_ref, a in zip(acc_refs, operands):
@@ -374,7 +376,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       plgpu.barrier_arrive(p_ready_bar)
       phases.start("wg0_pv")
       if registers:
-        acc = accumulate_fp8(acc, alpha, slot, 0, p_ref)
+        acc = accumulate_fp8(acc, alpha, slot, 0, p_ref, phases)
       else:
         acc = accumulate(acc, alpha, tile, cols, p_ref)
       done(i)
@@ -434,7 +436,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       phases.start("wg1_pv")
       alpha = plgpu.load(row_smem, layout=head_layout)
       if registers:
-        acc = accumulate_fp8(acc, alpha, lax.rem(i, stages), 1, p_tile(i))
+        acc = accumulate_fp8(acc, alpha, lax.rem(i, stages), 1, p_tile(i), phases)
       else:
         acc = accumulate(acc, alpha, tile, cols, p_tile(i))
       plgpu.barrier_arrive(p_free_bar)
