@@ -136,7 +136,8 @@ def test_row_format(std):
 
 @pytest.mark.parametrize("batch", [(), (3, 8)])
 def test_zero_and_non_finite_parts(batch):
-  """Also inside a batch of rows, the shape at which XLA's CPU max reduction skips a NaN (``cache_format.amax``)."""
+  """Also inside a batch of rows, the shape at which XLA's CPU max reduction skips a NaN
+  (``cache_format.part_scale``)."""
   x = np.ones(batch + (4, DIM), np.float32)
   x[..., 0, :] = 0.0
   x[..., 1, 3] = np.nan

@@ -45,15 +45,13 @@ def row_width(dim: int, dtype) -> int:
   return dim + TAIL if is_fp8(dtype) else dim
 
 
-def amax(x: jax.Array) -> jax.Array:
-  """``max |x|`` over the last axis (kept), NaN where that axis holds a NaN: XLA's CPU max reduction can skip a
+def part_scale(x: jax.Array) -> jax.Array:
+  """The e4m3 scale of each row of ``x`` (its last axis, kept): ``max |x| / 448``, 1 for an all-zero row, NaN for
+  a row with a NaN and inf for one with an inf (either reads back non-finite). XLA's CPU max reduction can skip a
   NaN (a vectorised max that keeps its other operand), so the NaN is looked for apart."""
-  return jnp.where(jnp.isnan(x).any(axis=-1, keepdims=True), jnp.nan, jnp.max(jnp.abs(x), axis=-1, keepdims=True))
-
-
-def _scale(part: jax.Array) -> jax.Array:
-  a = amax(part)  # NaN stays NaN and inf stays inf: either reads back non-finite.
-  return jnp.where(a == 0, 1.0, a / FP8_MAX)
+  amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+  amax = jnp.where(jnp.isnan(x).any(axis=-1, keepdims=True), jnp.nan, amax)
+  return jnp.where(amax == 0, 1.0, amax / FP8_MAX)
 
 
 def quantize_rows(rows: jax.Array, dtype, latent_dim: int) -> jax.Array:
@@ -66,7 +64,7 @@ def quantize_rows(rows: jax.Array, dtype, latent_dim: int) -> jax.Array:
     return rows.astype(dtype)
   x = rows.astype(jnp.float32)
   parts = (x[..., :latent_dim], x[..., latent_dim:])
-  scales = [_scale(p) for p in parts]
+  scales = [part_scale(p) for p in parts]
   # The clip only catches the rounding of amax / 448 (x / s may land a hair above 448); it keeps NaN.
   values = [jnp.clip(p / s, -FP8_MAX, FP8_MAX).astype(FP8) for p, s in zip(parts, scales)]
   bits = jax.lax.bitcast_convert_type(jnp.concatenate(scales, axis=-1), jnp.uint8)  # [..., 2, 4]

@@ -87,8 +87,7 @@ def split_e4m3(q: jax.Array) -> tuple[jax.Array, jax.Array]:
   s_q`` per element (e4m3's 2^-4 twice, or its subnormal spacing). A row with a NaN or inf has a non-finite
   ``s_q`` (NaN parts), so its logits are NaN; an all-zero row gets ``s_q = 1``."""
   x = q.astype(jnp.float32)
-  amax = cache_format.amax(x)
-  s_q = jnp.where(amax == 0, 1.0, amax / cache_format.FP8_MAX)
+  s_q = cache_format.part_scale(x)  # the cache rows' own scale rule
   x = x / s_q
   hi = jnp.clip(x, -cache_format.FP8_MAX, cache_format.FP8_MAX).astype(cache_format.FP8)
   lo = ((x - hi.astype(jnp.float32)) * Q_LO_FACTOR).astype(cache_format.FP8)
