@@ -199,8 +199,7 @@ def test_mla_decode_over_fp8_rows_is_attention_over_their_values(partial_dtype, 
 
 @pytest.mark.parametrize("partial_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(("heads", "registers"), [(72, False), (11, False), (11, True)])
-def test_kernel_over_fp8_rows_is_attention_over_their_values(request, kernel_impl, partial_dtype, heads,
-                                                            registers):
+def test_kernel_over_fp8_rows_is_attention_over_their_values(kernel_impl, partial_dtype, heads, registers):
   """72 heads: the 64-row tiles' compute warpgroups dequantise each page on chip into the bf16 tile their matmuls
   read. 11: the narrow kernel's memory warpgroup converts each page to f16 unscaled, and the scales enter S and
   P, so its products read the exact ``value * scale``, not its bf16 rounding; or (``registers``) QK reads the
@@ -215,10 +214,6 @@ def test_kernel_over_fp8_rows_is_attention_over_their_values(request, kernel_imp
   refs = {rounded: mla_decode_oracle(q_bf16, decoded[rounded], table, lens, scale=K3_MLA_SCALE)
           for rounded in (True, False)}
   logit_err = split_q_logit_bound(q_bf16, decoded[False], table, lens) if registers else 0.0
-  if registers and kernel_impl == "pallas":  # strict: the test still runs, and once mended it fails as XPASS
-    request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-        "known defect: on the GPU the registers path's lse exceeds the q split's bound at the peaky head of the "
-        "one-token sequence (pallas_kernels/mla/README.md)")))
   outs = {}
   for impl in ("xla", kernel_impl):
     o_ref, lse_ref = refs[impl == "xla" or not mla_kernel.narrow_applies(heads, FP8)]

@@ -41,9 +41,9 @@ class MlaDecodeTuning:
       sequence (the default until both layouts are timed on the GPU: ``benchmarks/mla_decode.py --layouts``).
     fp8_in_registers: the narrow kernel over an fp8 cache only. True: the pages stay fp8 in shared memory, QK
       runs on their e4m3 values against q split into two e4m3 parts, and ``P @ V`` converts V to f16 in
-      registers, so no f16 copy of a page is written or read. Its lse exceeds its error bound on the GPU (a known
-      defect, ``pallas_kernels/mla/README.md``): for measurement only. None or False: each page is converted into
-      an f16 ring first (the default; ``benchmarks/mla_decode.py --fp8-paths`` times both).
+      registers, so no f16 copy of a page is written or read. None or False: each page is converted into an f16
+      ring first (the default: on an H100 the ring is the faster; ``benchmarks/mla_decode.py --fp8-paths`` times
+      both).
   """
 
   num_splits: int | None = None

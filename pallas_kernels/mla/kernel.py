@@ -67,6 +67,11 @@ CONVERT_LAYOUT = plgpu.Layout.WGMMA_UPCAST_2X
 # of each element, near bf16's.
 REG_STAGES = 4
 Q_LO_FACTOR = 16.0
+# An e4m3 wgmma does not keep an f32 running sum: each product is added at the sum's exponent to about 14 bits,
+# the low bits truncated (DeepSeek-V3's report; that model reproduces what the GPU gave, benchmarks/RESULTS.md), so
+# the error grows with the sum a chain of products adds onto. QK adds the latent columns' products in QK_CHUNK
+# columns per accumulator (4 wgmma steps of 32) and those in f32, as that report's kernels promote every 128.
+QK_CHUNK = 128
 # The pages' bytes as uint16 pairs: a transposed 16-bit load puts two tokens' pairs in a register, and two bit
 # operations per pair make the f16 operands of V^T (the even and the odd latent columns) without a conversion
 # unit. ``e4m3_pair_to_f16`` gives each value times 2^-8 (F16_UNIT), which the accumulator's unit absorbs.
@@ -325,12 +330,15 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
           plgpu.wgmma(acc_ref, q_smem, tile.T)
         return acc_ref[...]
 
-      def qk_parts(latent_ref, rope_ref):
+      def qk_parts(*acc_refs):
         """fp8, narrow: the unscaled latent and rope parts of ``S^T``, each to be scaled per token (registers: over
-        the e4m3 page against q's two parts)."""
-        for acc_ref, part in ((latent_ref, pl.ds(0, LATENT_DIM)), (rope_ref, pl.ds(LATENT_DIM, ROPE_DIM))):
+        the e4m3 page against q's two parts, the latent part in ``QK_CHUNK``-column accumulators added in f32)."""
+        *latent_refs, rope_ref = acc_refs
+        width = LATENT_DIM // len(latent_refs)
+        parts = [(ref, pl.ds(k * width, width)) for k, ref in enumerate(latent_refs)]
+        for acc_ref, part in parts + [(rope_ref, pl.ds(LATENT_DIM, ROPE_DIM))]:
           plgpu.wgmma(acc_ref, tile.at[:, part], q_smem.at[:, part].T)
-        return latent_ref[...], rope_ref[...]
+        return sum(ref[...] for ref in latent_refs), rope_ref[...]
 
       shape = (PAGE_SIZE, rows) if narrow else (rows, PAGE_SIZE)
       token = plgpu.broadcasted_iota(jnp.int32, shape, token_axis, layout=plgpu.Layout.WGMMA)
@@ -340,7 +348,8 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
         s_c, s_pe = (lax.broadcast_in_dim(plgpu.load(ring_scales.at[slot, k], layout=TOKEN_LAYOUT), shape, (0,))
                      for k in (0, 1))
         acc_s = (PAGE_SIZE, 2 * rows) if registers else shape
-        s_latent, s_rope = pl.run_scoped(qk_parts, plgpu.ACC(acc_s, jnp.float32), plgpu.ACC(acc_s, jnp.float32))
+        chunks = LATENT_DIM // QK_CHUNK if registers else 1
+        s_latent, s_rope = pl.run_scoped(qk_parts, *(plgpu.ACC(acc_s, jnp.float32) for _ in range(chunks + 1)))
         if registers:  # e4m3 products against [q_hi | q_lo]: the hi heads' columns, then the lo heads'
           s_latent, s_rope = (x[:, :rows] + x[:, rows:] * (1.0 / Q_LO_FACTOR) for x in (s_latent, s_rope))
         s = (s_latent * s_c + s_rope * s_pe) * (along_heads(q_scale, shape) if registers else scale * LOG2E)
