@@ -41,12 +41,17 @@ FP8_VS_UNQUANTISED_REL_L2 = 0.1
 KERNEL_O_REL_L2 = {jnp.float32: 6e-3, jnp.bfloat16: 1e-2}
 
 
-def np_decode_rows(rows: np.ndarray, rounded: bool = True) -> np.ndarray:
-  """float64 latent rows of fp8 cache rows, from the documented layout (independent of ``cache_format``):
-  ``value * scale`` in f32, rounded to bf16 (``rounded``) or exact (what the narrow kernel's f16 products read)."""
-  values = rows[..., :DIM].astype(np.float32)
+def np_row_parts(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """fp8 cache rows' e4m3 values ``[..., 576]`` and their (latent, rope) f32 scales ``[..., 2]``, from the
+  documented layout (independent of ``cache_format``)."""
   tail = np.ascontiguousarray(rows[..., DIM:DIM + 8]).view(np.uint8)
-  scales = tail.reshape(tail.shape[:-1] + (2, 4)).copy().view("<f4")[..., 0]
+  return rows[..., :DIM].astype(np.float32), tail.reshape(tail.shape[:-1] + (2, 4)).copy().view("<f4")[..., 0]
+
+
+def np_decode_rows(rows: np.ndarray, rounded: bool = True) -> np.ndarray:
+  """float64 latent rows of fp8 cache rows (``np_row_parts``): ``value * scale`` in f32, rounded to bf16
+  (``rounded``) or exact (what the narrow kernel's f16 products read)."""
+  values, scales = np_row_parts(rows)
   x = np.concatenate([values[..., :LATENT_DIM] * scales[..., :1], values[..., LATENT_DIM:] * scales[..., 1:]],
                      axis=-1)
   return x.astype(ml_dtypes.bfloat16).astype(np.float64) if rounded else x.astype(np.float64)
@@ -196,6 +201,61 @@ def test_mla_decode_over_fp8_rows_is_attention_over_their_values(partial_dtype, 
   rel = np.linalg.norm(o[1:] - o_raw[1:], axis=-1) / np.linalg.norm(o_raw[1:], axis=-1)
   assert rel.max() < FP8_VS_UNQUANTISED_REL_L2
 
+
+# A model of Hopper's e4m3 wgmma (DeepSeek-V3's report of its fp8 accumulation): each product is added to the
+# running sum at the larger of the two exponents and truncated toward zero to about 14 significant bits.
+E4M3_WGMMA_BITS = 14
+
+
+def truncated_e4m3_sum(products: np.ndarray, chunk: int, bits: int = E4M3_WGMMA_BITS) -> np.ndarray:
+  """The sum over the last axis as the model above adds it, with a fresh running sum every ``chunk`` products
+  (one accumulator each) and those sums added exactly."""
+  total = np.zeros(products.shape[:-1])
+  for c0 in range(0, products.shape[-1], chunk):
+    acc = np.zeros(products.shape[:-1])
+    for k in range(c0, min(c0 + chunk, products.shape[-1])):
+      p = products[..., k]
+      big = np.maximum(np.abs(acc), np.abs(p))
+      ulp = np.exp2(np.floor(np.log2(np.where(big > 0, big, 1.0))) - bits + 1)
+      acc = acc + np.trunc(p / ulp) * ulp
+    total += acc
+  return total
+
+
+@pytest.mark.parametrize(("chunk", "within"), [(mla_kernel.QK_CHUNK, True), (LATENT_DIM, False)])
+def test_registers_qk_accumulators_keep_the_gpus_sums_within_the_q_split_bound(chunk, within):
+  """The registers path's QK as the GPU adds it (the model above; interpret mode multiplies in f32): the next
+  test's peaky case, each token's logit from the e4m3 values and q's two e4m3 parts, the latent products in
+  accumulators of ``chunk`` columns. With one accumulator for all 512 the model puts the peaky head of the
+  one-token sequence beyond the q split's lse bound, as an H100 did (benchmarks/RESULTS.md, session 40);
+  with the kernel's ``QK_CHUNK`` every sequence and head stays within it."""
+  rng = np.random.default_rng(3)
+  q, rows, table, lens = _decode_case(rng, [0, 1, 63, 65, 4 * PAGE_SIZE - 7], heads=11, peaky=True)
+  cache = np.asarray(cache_format.quantize_rows(jnp.asarray(rows, jnp.float32), FP8, LATENT_DIM))
+  q_bf16 = jnp.asarray(q, jnp.bfloat16)
+  decoded = np_decode_rows(cache, rounded=False)
+  _, lse_ref = mla_decode_oracle(q_bf16, decoded, table, lens, scale=K3_MLA_SCALE)
+  bound = split_q_logit_bound(q_bf16, decoded, table, lens)
+  q8, s_q = (np.asarray(x.astype(jnp.float32), np.float64) for x in mla_kernel.split_e4m3(q_bf16))
+  heads = q.shape[1]
+  values, scales = (x.astype(np.float64) for x in np_row_parts(cache))
+  ok = []
+  for b, n in enumerate(lens):
+    if not n:
+      continue
+    pages = table[b, :-(-n // PAGE_SIZE)]
+    v, s = values[pages].reshape(-1, DIM)[:n], scales[pages].reshape(-1, 2)[:n]
+    parts = []
+    for part in (q8[b, :heads], q8[b, heads:]):  # q_hi, q_lo: accumulators of their own
+      prods = part[:, None, :] * v[None]  # [heads, tokens, 576], exact
+      parts.append((truncated_e4m3_sum(prods[..., :LATENT_DIM], chunk),
+                    truncated_e4m3_sum(prods[..., LATENT_DIM:], ROPE_DIM)))
+    (lat_hi, rope_hi), (lat_lo, rope_lo) = parts
+    latent, rope = lat_hi + lat_lo / mla_kernel.Q_LO_FACTOR, rope_hi + rope_lo / mla_kernel.Q_LO_FACTOR
+    logits = (latent * s[:, 0] + rope * s[:, 1]) * s_q[b][:, None] * K3_MLA_SCALE
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    ok.append(np.abs(lse - lse_ref[b]) <= 5e-5 + bound[b])
+  assert np.concatenate(ok).all() == within
 
 @pytest.mark.parametrize("partial_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(("heads", "registers"), [(72, False), (11, False), (11, True)])
