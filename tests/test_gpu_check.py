@@ -133,3 +133,7 @@ def test_report_is_incomplete_until_every_planned_section_ran(tmp_path: pathlib.
   assert text.splitlines()[-1].startswith("gpu-check: FAIL 1/2 sections (gpu-tests ok, demo FAILED)")
   assert "### demo" in text and "last lines" in text
   assert gpu_check.report([ok], 1, "abc1234", "H200", tmp_path).splitlines()[-1].startswith("gpu-check: PASS 1/1")
+  # A partial check names what it left out.
+  line = gpu_check.report([ok], 1, "abc1234", "H200", tmp_path, ["randomized", "demo"]).splitlines()[-1]
+  assert line.startswith("gpu-check: PASS 1/1 sections (gpu-tests ok; 2 of 3 sections not asked for: randomized, "
+                         "demo) at abc1234 on H200")

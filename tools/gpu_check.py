@@ -30,7 +30,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -258,27 +258,32 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   commit = args.commit or _commit()
   planned = [s for s in SECTIONS if s.name in args.sections]
+  left_out = [s.name for s in SECTIONS if s.name not in args.sections]
   results: list[Result] = []
   where = f"{device.device_kind}, jax {jax.__version__}"
   # The report is rewritten after every section: a run cut short (a device call's time limit) keeps what ran.
-  text = report(results, len(planned), commit, where, out)
+  text = report(results, len(planned), commit, where, out, left_out)
   for section in planned:
     results.append(run_section(section, out))
-    text = report(results, len(planned), commit, where, out)
+    text = report(results, len(planned), commit, where, out, left_out)
   print("\n" + text, flush=True)
   return 0 if all(r.ok for r in results) else 1
 
 
-def report(results: list[Result], planned: int, commit: str, where: str, out: pathlib.Path) -> str:
+def report(results: list[Result], planned: int, commit: str, where: str, out: pathlib.Path,
+           left_out: Sequence[str] = ()) -> str:
   """Writes ``<out>/gpu-check.md`` (the table, failed sections' details, the summary line) and returns it.
 
-  The summary line says PASS or FAIL only once all ``planned`` sections ran; before, INCOMPLETE.
+  The summary line says PASS or FAIL only once all ``planned`` sections ran; before, INCOMPLETE. It names the
+  sections ``left_out`` (not asked for), so that a line quoted from a partial check does not read as the whole.
   """
   passed = sum(r.ok for r in results)
   stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
   verdict = ("INCOMPLETE" if len(results) < planned else "PASS" if passed == planned else "FAIL")
-  line = (f"gpu-check: {verdict} {passed}/{planned} sections "
-          f"({', '.join(r.name + (' ok' if r.ok else ' FAILED') for r in results)}) at {commit} on {where}, {stamp}")
+  ran = ", ".join(r.name + (" ok" if r.ok else " FAILED") for r in results)
+  if left_out:
+    ran += f"; {len(left_out)} of {planned + len(left_out)} sections not asked for: {', '.join(left_out)}"
+  line = f"gpu-check: {verdict} {passed}/{planned} sections ({ran}) at {commit} on {where}, {stamp}"
   table = ["| section | result | time | key numbers |", "|---|---|---|---|"]
   table += [f"| {r.name} | {'pass' if r.ok else 'FAIL'} | {r.seconds:.0f} s | "
             f"{r.summary.splitlines()[0] if r.summary else ''} |" for r in results]
