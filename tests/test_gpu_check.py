@@ -137,3 +137,17 @@ def test_report_is_incomplete_until_every_planned_section_ran(tmp_path: pathlib.
   line = gpu_check.report([ok], 1, "abc1234", "H200", tmp_path, ["randomized", "demo"]).splitlines()[-1]
   assert line.startswith("gpu-check: PASS 1/1 sections (gpu-tests ok; 2 of 3 sections not asked for: randomized, "
                          "demo) at abc1234 on H200")
+
+
+def test_the_device_is_read_in_a_child_and_a_cpu_is_refused(tmp_path, capsys):
+  """``default_device`` reports what JAX gives a fresh process (the CPU here), without a client in this one; a
+  machine without a Hopper GPU runs no section (exit 2, the device named)."""
+  import jax
+
+  platform, capability, kind, version = gpu_check.default_device()
+  assert (platform, version) == (jax.devices()[0].platform, jax.__version__) and kind
+  if platform == "cpu":
+    assert capability == ""
+    assert gpu_check.main(["--out", str(tmp_path), "--sections", "demo"]) == 2
+    assert f"the default device is {kind}" in capsys.readouterr().err
+    assert not (tmp_path / "gpu-check.md").exists()

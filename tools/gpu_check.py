@@ -20,6 +20,7 @@ the one-line summary. Exit status 1 when a section fails. Run on the GPU machine
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import datetime
 import json
@@ -233,6 +234,16 @@ def run_section(section: Section, out: pathlib.Path) -> Result:
   return Result(section.name, ok, seconds, summary)
 
 
+def default_device() -> tuple[str, str, str, str]:
+  """JAX's default device as (platform, compute capability or "", device kind, jax version), read in a child
+  process: a GPU client in this process would keep 75% of the GPU's memory (JAX's preallocation) for the whole
+  run, leaving the sections' own processes the rest."""
+  code = ("import jax; d = jax.devices()[0]; "
+          "print(repr((d.platform, str(getattr(d, 'compute_capability', '')), d.device_kind, jax.__version__)))")
+  out = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=True).stdout
+  return ast.literal_eval(out.strip().splitlines()[-1])
+
+
 def _commit() -> str:
   try:
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -250,17 +261,15 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  import jax  # after argparse, so --help works anywhere
-
-  device = jax.devices()[0]
-  if device.platform != "gpu" or not str(getattr(device, "compute_capability", "")).startswith("9"):
-    print(f"gpu-check needs a Hopper GPU (sm_90a); the default device is {device.device_kind}", file=sys.stderr)
+  platform, capability, kind, version = default_device()
+  if platform != "gpu" or not capability.startswith("9"):
+    print(f"gpu-check needs a Hopper GPU (sm_90a); the default device is {kind}", file=sys.stderr)
     return 2
   commit = args.commit or _commit()
   planned = [s for s in SECTIONS if s.name in args.sections]
   left_out = [s.name for s in SECTIONS if s.name not in args.sections]
   results: list[Result] = []
-  where = f"{device.device_kind}, jax {jax.__version__}"
+  where = f"{kind}, jax {version}"
   # The report is rewritten after every section: a run cut short (a device call's time limit) keeps what ran.
   text = report(results, len(planned), commit, where, out, left_out)
   for section in planned:
