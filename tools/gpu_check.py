@@ -236,8 +236,8 @@ def run_section(section: Section, out: pathlib.Path) -> Result:
 
 def default_device() -> tuple[str, str, str, str]:
   """JAX's default device as (platform, compute capability or "", device kind, jax version), read in a child
-  process: a GPU client in this process would keep 75% of the GPU's memory (JAX's preallocation) for the whole
-  run, leaving the sections' own processes the rest."""
+  process: a GPU client in this process would hold a CUDA context (and whatever JAX preallocates) for the whole
+  run, beside the sections' own processes."""
   code = ("import jax; d = jax.devices()[0]; "
           "print(repr((d.platform, str(getattr(d, 'compute_capability', '')), d.device_kind, jax.__version__)))")
   out = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=True).stdout
