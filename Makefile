@@ -37,7 +37,8 @@ test-gpu:
 	PYTHONPATH=. python3 -m pytest -m gpu -p no:cacheprovider
 
 # On a Hopper machine with the image's python3: GPU tests, randomized tests (GPU budget), the demo and each
-# benchmark's quick mode, summarised in one table (gpu-check-out/gpu-check.md). GPU_CHECK_ARGS picks sections.
+# benchmark's quick mode, summarised in one table (gpu-check-out/gpu-check.md). GPU_CHECK_ARGS picks sections
+# (--sections), or splits the check over several calls (--budget S --resume; BUILD.md).
 gpu-check:
 	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} python3 tools/gpu_check.py $(GPU_CHECK_ARGS)
 

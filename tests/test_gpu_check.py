@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from tools import gpu_check
 
 
@@ -128,7 +130,8 @@ def test_report_is_incomplete_until_every_planned_section_ran(tmp_path: pathlib.
   text = gpu_check.report([ok], 2, "abc1234", "NVIDIA H200, jax 0.11.2", tmp_path)
   assert (tmp_path / "gpu-check.md").read_text() == text
   assert "| gpu-tests | pass | 190 s | 48 passed, 1 skipped in 185.06s |" in text
-  assert text.splitlines()[-1].startswith("gpu-check: INCOMPLETE 1/2 sections (gpu-tests ok) at abc1234 on NVIDIA H200")
+  assert text.splitlines()[-1].startswith("gpu-check: INCOMPLETE 1/2 sections (gpu-tests ok; 1 still to run) at "
+                                          "abc1234 on NVIDIA H200")
   text = gpu_check.report([ok, bad], 2, "abc1234", "NVIDIA H200, jax 0.11.2", tmp_path)
   assert text.splitlines()[-1].startswith("gpu-check: FAIL 1/2 sections (gpu-tests ok, demo FAILED)")
   assert "### demo" in text and "last lines" in text
@@ -151,3 +154,48 @@ def test_the_device_is_read_in_a_child_and_a_cpu_is_refused(tmp_path, capsys):
     assert gpu_check.main(["--out", str(tmp_path), "--sections", "demo"]) == 2
     assert f"the default device is {kind}" in capsys.readouterr().err
     assert not (tmp_path / "gpu-check.md").exists()
+
+
+def _counting_section(name: str, log: pathlib.Path, *, limit: int = 60, fail: bool = False) -> gpu_check.Section:
+  """A section that appends its name to ``log`` each time it runs, then passes or fails."""
+  code = f"open({str(log)!r}, 'a').write({name!r} + '\\n'); print('1 passed'); raise SystemExit({int(fail)})"
+  return gpu_check.Section(name, (sys.executable, "-c", code), limit, gpu_check._pytest_summary)
+
+
+def test_a_budget_stops_between_sections_and_resume_runs_only_the_rest(tmp_path: pathlib.Path):
+  """A 10-minute device call runs what fits (a section starts only while its limit fits in the budget) and a
+  later call of the same commit on the same GPU kind finishes the check; its one summary line covers all
+  sections and the span of their times. A failed section is kept, not retried."""
+  log = tmp_path / "ran.txt"
+  sections = [_counting_section("a", log, limit=60), _counting_section("b", log, limit=60),
+              _counting_section("c", log, limit=500, fail=True), _counting_section("d", log, limit=60)]
+  where = "NVIDIA H200, jax 0.11.2"
+  text, code = gpu_check.run_check(sections, tmp_path, "abc1234", where, budget=200)
+  assert code == 3 and log.read_text().split() == ["a", "b"]
+  assert "gpu-check: INCOMPLETE 2/4 sections (a ok, b ok; 2 still to run) at abc1234 on NVIDIA H200" in text
+  text, code = gpu_check.run_check(sections[:3], tmp_path, "abc1234", where, resume=True, budget=600)
+  assert code == 1 and log.read_text().split() == ["a", "b", "c"]
+  assert "gpu-check: FAIL 2/3 sections (a ok, b ok, c FAILED) at abc1234" in text
+  text, code = gpu_check.run_check(sections, tmp_path, "abc1234", where, resume=True)
+  assert code == 1 and log.read_text().split() == ["a", "b", "c", "d"]  # c's failure stands
+  assert "gpu-check: FAIL 3/4 sections (a ok, b ok, c FAILED, d ok) at abc1234 on NVIDIA H200, jax 0.11.2, 20" in text
+  state = json.loads((tmp_path / gpu_check.STATE).read_text())
+  assert [r["name"] for r in state["results"]] == ["a", "b", "c", "d"] and all(r["finished"] for r in state["results"])
+  # Without --resume the check starts afresh; a state of another commit or GPU is refused, naming both.
+  assert gpu_check.run_check(sections[:1], tmp_path, "abc1234", where)[1] == 0
+  assert log.read_text().split()[-1] == "a"
+  refused = "holds a check at abc1234 on NVIDIA H200.*this run is at def5678 on NVIDIA H200"
+  with pytest.raises(ValueError, match=refused):
+    gpu_check.run_check(sections, tmp_path, "def5678", where, resume=True)
+  with pytest.raises(ValueError, match="this run is at abc1234 on NVIDIA H100"):
+    gpu_check.run_check(sections, tmp_path, "abc1234", "NVIDIA H100 80GB HBM3, jax 0.11.2", resume=True)
+
+
+def test_the_summary_line_spans_the_sections_times(tmp_path: pathlib.Path):
+  one = gpu_check.Result("a", True, 1.0, "ok", "2026-12-05 13:51")
+  two = gpu_check.Result("b", True, 1.0, "ok", "2026-12-05 14:20")
+  three = gpu_check.Result("c", True, 1.0, "ok", "2026-12-06 09:05")
+  line = lambda rs: gpu_check.report(rs, len(rs), "abc1234", "H200", tmp_path).splitlines()[-1]
+  assert line([one]).endswith("on H200, 2026-12-05 13:51 UTC")
+  assert line([one, two]).endswith("on H200, 2026-12-05 13:51-14:20 UTC")
+  assert line([one, two, three]).endswith("on H200, 2026-12-05 13:51 UTC to 2026-12-06 09:05 UTC")

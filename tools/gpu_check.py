@@ -13,8 +13,10 @@ Sections (each a subprocess with its own time limit and log):
                FlashKDA and FlashMLA where they are importable, cuDNN and torch SDPA for the prefill)
 
 The table goes to stdout and to ``<out>/gpu-check.md`` (logs and benchmark JSON beside it); the last line is
-the one-line summary. Exit status 1 when a section fails. Run on the GPU machine with the image's python3:
-``make gpu-check`` or ``PYTHONPATH=. python3 tools/gpu_check.py [--sections NAME ...] [--out DIR]``.
+the one-line summary. Exit status 1 when a section fails, 3 when ``--budget`` stopped the run between sections.
+Run on the GPU machine with the image's python3: ``make gpu-check`` or ``PYTHONPATH=. python3 tools/gpu_check.py
+[--sections NAME ...] [--out DIR] [--budget SECONDS --resume]``; with ``--resume`` one check runs over several
+device calls (``run_check``).
 """
 
 from __future__ import annotations
@@ -199,6 +201,11 @@ class Result:
   ok: bool
   seconds: float
   summary: str
+  finished: str = ""  # UTC, "YYYY-MM-DD HH:MM"
+
+
+def _now() -> str:
+  return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
 
 
 def run_section(section: Section, out: pathlib.Path) -> Result:
@@ -231,7 +238,56 @@ def run_section(section: Section, out: pathlib.Path) -> Result:
   if not ok:
     summary = f"FAILED ({why}): {summary}\n" + "\n".join(log.splitlines()[-25:])
   print(f"[gpu-check] {section.name}: {'ok' if ok else 'FAILED'} in {seconds:.0f} s", flush=True)
-  return Result(section.name, ok, seconds, summary)
+  return Result(section.name, ok, seconds, summary, _now())
+
+
+STATE = "gpu-check.json"
+
+
+def load_state(out: pathlib.Path, commit: str, where: str) -> dict[str, Result]:
+  """The sections that an earlier run into ``out`` finished (``<out>/gpu-check.json``), by name; none if it has
+  no state. A state of another commit or machine is refused (ValueError naming both): one check is one commit on
+  one kind of GPU."""
+  path = out / STATE
+  if not path.exists():
+    return {}
+  state = json.loads(path.read_text())
+  if (state["commit"], state["where"]) != (commit, where):
+    raise ValueError(f"--resume: {path} holds a check at {state['commit']} on {state['where']}; this run is at "
+                     f"{commit} on {where} (remove it to start afresh)")
+  return {r["name"]: Result(**r) for r in state["results"]}
+
+
+def save_state(out: pathlib.Path, commit: str, where: str, results: Sequence[Result]) -> None:
+  (out / STATE).write_text(json.dumps(dict(commit=commit, where=where,
+                                           results=[dataclasses.asdict(r) for r in results]), indent=1))
+
+
+def run_check(planned: Sequence[Section], out: pathlib.Path, commit: str, where: str, *, left_out: Sequence[str] = (),
+              resume: bool = False, budget: float | None = None) -> tuple[str, int]:
+  """Runs the ``planned`` sections in order and returns the report's text and the exit status: 0 all passed, 1
+  a section failed, 3 stopped before the end without a failure.
+
+  ``budget`` (seconds): a section starts only while its time limit fits in what is left, so that a run inside a
+  device call's time limit stops between sections instead of being cut inside one; ``resume`` keeps the sections
+  that an earlier run of the same commit on the same kind of GPU finished (passed or failed: a failure is not
+  retried) and runs the rest. The state is saved after every section."""
+  done = load_state(out, commit, where) if resume else {}
+  results = [done[s.name] for s in planned if s.name in done]
+  t0 = time.perf_counter()
+  text = report(results, len(planned), commit, where, out, left_out)
+  for section in planned:
+    if section.name in done:
+      continue
+    if budget is not None and budget - (time.perf_counter() - t0) < section.timeout_s:
+      print(f"[gpu-check] {section.name}: its {section.timeout_s} s limit does not fit in what is left of the "
+            f"{budget:.0f} s budget; stopping (run again with --resume)", flush=True)
+      break
+    results.append(run_section(section, out))
+    save_state(out, commit, where, results)
+    text = report(results, len(planned), commit, where, out, left_out)
+  code = 1 if not all(r.ok for r in results) else 3 if len(results) < len(planned) else 0
+  return text, code
 
 
 def default_device() -> tuple[str, str, str, str]:
@@ -258,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--sections", nargs="+", choices=names, default=names, help="which sections, in order")
   parser.add_argument("--out", default=str(ROOT / "gpu-check-out"), help="folder for the table, logs and JSON")
   parser.add_argument("--commit", default=None, help="commit to name in the table (default: git's HEAD)")
+  parser.add_argument("--budget", type=float, default=None,
+                      help="seconds: start a section only while its time limit fits in what is left")
+  parser.add_argument("--resume", action="store_true",
+                      help="keep the sections that an earlier run into --out finished at this commit on this GPU")
   args = parser.parse_args(argv)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
@@ -268,15 +328,14 @@ def main(argv: list[str] | None = None) -> int:
   commit = args.commit or _commit()
   planned = [s for s in SECTIONS if s.name in args.sections]
   left_out = [s.name for s in SECTIONS if s.name not in args.sections]
-  results: list[Result] = []
-  where = f"{kind}, jax {version}"
-  # The report is rewritten after every section: a run cut short (a device call's time limit) keeps what ran.
-  text = report(results, len(planned), commit, where, out, left_out)
-  for section in planned:
-    results.append(run_section(section, out))
-    text = report(results, len(planned), commit, where, out, left_out)
+  try:
+    text, code = run_check(planned, out, commit, f"{kind}, jax {version}", left_out=left_out, resume=args.resume,
+                           budget=args.budget)
+  except ValueError as e:
+    print(e, file=sys.stderr)
+    return 2
   print("\n" + text, flush=True)
-  return 0 if all(r.ok for r in results) else 1
+  return code
 
 
 def report(results: list[Result], planned: int, commit: str, where: str, out: pathlib.Path,
@@ -284,15 +343,21 @@ def report(results: list[Result], planned: int, commit: str, where: str, out: pa
   """Writes ``<out>/gpu-check.md`` (the table, failed sections' details, the summary line) and returns it.
 
   The summary line says PASS or FAIL only once all ``planned`` sections ran; before, INCOMPLETE. It names the
-  sections ``left_out`` (not asked for), so that a line quoted from a partial check does not read as the whole.
+  sections ``left_out`` (not asked for), so that a line quoted from a partial check does not read as the whole,
+  and the span of the sections' finishing times (a resumed check runs over several calls).
   """
   passed = sum(r.ok for r in results)
-  stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+  times = sorted(r.finished for r in results if r.finished) or [_now()]
+  first, last = times[0], times[-1]
+  stamp = (f"{first} UTC" if first == last else f"{first}-{last[11:]} UTC" if first[:10] == last[:10]
+           else f"{first} UTC to {last} UTC")
   verdict = ("INCOMPLETE" if len(results) < planned else "PASS" if passed == planned else "FAIL")
-  ran = ", ".join(r.name + (" ok" if r.ok else " FAILED") for r in results)
+  parts = [", ".join(r.name + (" ok" if r.ok else " FAILED") for r in results)] if results else []
+  if len(results) < planned:
+    parts.append(f"{planned - len(results)} still to run")
   if left_out:
-    ran += f"; {len(left_out)} of {planned + len(left_out)} sections not asked for: {', '.join(left_out)}"
-  line = f"gpu-check: {verdict} {passed}/{planned} sections ({ran}) at {commit} on {where}, {stamp}"
+    parts.append(f"{len(left_out)} of {planned + len(left_out)} sections not asked for: {', '.join(left_out)}")
+  line = f"gpu-check: {verdict} {passed}/{planned} sections ({'; '.join(parts)}) at {commit} on {where}, {stamp}"
   table = ["| section | result | time | key numbers |", "|---|---|---|---|"]
   table += [f"| {r.name} | {'pass' if r.ok else 'FAIL'} | {r.seconds:.0f} s | "
             f"{r.summary.splitlines()[0] if r.summary else ''} |" for r in results]
