@@ -133,6 +133,45 @@ def _check_against_oracle_and_xla(kernel_impl, seed, sizes, tuning, lower_bound,
                 sizes["V"])
 
 
+# The shapes benchmarks/kda_prefill.py times against FlashKDA, with the model's gate (softplus, std-2 g_raw)
+# and a few checkpoints a sequence (8 x 1024: four, as in its overheads): one 32K sequence at H = 32 (one pass),
+# T = 8192 at H = 11 (K3's heads per GPU under TP9: the default splits it into segments) and eight 1024-token
+# sequences at H = 96 (two value blocks a program).
+REAL_SIZES = [pytest.param(dict(lens=(32768,), H=32, K=128, V=128), id="T32768-H32"),
+              pytest.param(dict(lens=(8192,), H=11, K=128, V=128), id="T8192-H11"),
+              pytest.param(dict(lens=(1024,) * 8, H=96, K=128, V=128, ck_step=256), id="8x1024-H96-ckpt4")]
+# Tokens at the start of the first sequence that the float64 oracle recomputes (it runs token by token).
+ORACLE_PREFIX = 320
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("sizes", REAL_SIZES)
+def test_gpu_prefill_at_real_sizes(sizes, state_dtype):
+  """The compiled kernel at the benchmark's sizes with the default tuning, poisoned untouched slots and
+  checkpoints: against ``impl="xla"`` over every output and written slot (``check_prefill``, which also requires
+  the untouched slots bitwise unchanged), and against the float64 oracle over the first sequence's first
+  ``ORACLE_PREFIX`` tokens (which depend on nothing after them)."""
+  x, pool, arrays, config = _problem(41, saturated=False, state_dtype=state_dtype, lower_bound=None, **sizes)
+  if len(sizes["lens"]) == 1:  # _problem gives the last sequence slot -1: one sequence alone writes slot 1 instead
+    arrays["state_indices"][0] = 1
+  inputs, pool_j, arrays_j = prefill_to_jax(x, pool, arrays, state_dtype)
+  o, new_pool = run_prefill(inputs, pool_j, arrays_j, "pallas", **config)
+  assert o.dtype == jnp.bfloat16
+  T, H = sum(sizes["lens"]), sizes["H"]
+  tol = PREFILL_TOL[jnp.dtype(state_dtype)]
+  xo, xpool = run_prefill(inputs, pool_j, arrays_j, "xla", **config)
+  check_prefill(o, new_pool, np.asarray(xo, np.float64), np.asarray(xpool, np.float64), pool_j, arrays, tol, T, H,
+                sizes["V"])
+  n = ORACLE_PREFIX
+  prefix = {name: a[:n] for name, a in inputs.items() if name not in ("A_log", "dt_bias")}
+  ref_o, _, _ = kda_prefill_oracle(**prefix, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"],
+                                   cu_seqlens=np.array([0, n], np.int32), state_pool=np.zeros((1, H, 128, 128)),
+                                   state_indices=np.array([-1], np.int32), has_initial_state=np.array([False]),
+                                   lower_bound=None)
+  assert not arrays["has_initial_state"][0] and rel_rmse(np.asarray(o[:n], np.float64), ref_o) < tol
+
+
 # (sizes, segments, value blocks): a sequence shorter than its segments (lens 30 and 1 at G = 3), empty ones,
 # checkpoints inside and at the edges of segments (every chunk in EVERY_CHUNK), two value blocks with K = 64
 # (the transition pass then takes one), the transition pass with two value blocks (small-wide-12: 144 one-block
