@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels.kda import KdaConfig, KdaTuning, api, default_tuning, kda_decode, kda_prefill
+from pallas_kernels.kda import KdaConfig, KdaTuning, api, default_tuning, kda_decode, kda_prefill, reference
 from pallas_kernels.kda.config import DECODE_STATE_IO
 from pallas_kernels.testing import bits, kda_gate_params, kda_inputs, kda_prefill_oracle, rel_rmse
 
@@ -61,8 +61,14 @@ def check_untouched(old_pool, new_pool, written):
 
 # RMSE ratios vs the float64 oracle, of o and of every written state. Bound 5e-5: f32 rounding of the chunked
 # WY form (see test_kda_reference), still 200x tighter than the 0.01 f32-state orientation.
+# ``chunk_heads``: the reference's batches of (chunk, head) pairs; None: its default, one batch of the 12 chunks
+# here; 10: five chunks a batch, three batches of which the last is padded, the state carried across them.
+@pytest.mark.parametrize("chunk_heads", [None, 5 * H])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
-def test_prefill_varlen_pool_checkpoints(lower_bound):
+def test_prefill_varlen_pool_checkpoints(lower_bound, chunk_heads, monkeypatch):
+  if chunk_heads is not None:
+    monkeypatch.setattr(reference, "PREP_CHUNK_HEADS", chunk_heads)
+    jax.clear_caches()  # kda_prefill's jit would otherwise reuse a trace made with the default
   a = make_prefill(0)
   o, pool = kda_prefill(**a, config=KdaConfig(lower_bound=lower_bound, impl="xla"))
   assert o.shape == a["v"].shape and o.dtype == jnp.float32
@@ -73,6 +79,24 @@ def test_prefill_varlen_pool_checkpoints(lower_bound):
     assert rel_rmse(pool[s], want) < 5e-5, s
   assert set(writes) == {5, 7, 9, 11, 12, 13, 14, 2}
   check_untouched(a["state_pool"], pool, writes)
+  if chunk_heads is not None:
+    jax.clear_caches()  # no later test gets this trace
+
+
+def test_prefill_xla_memory_at_32k_tokens_and_32_heads():
+  """The pure-JAX prefill of one 32K-token prompt at 32 heads (the softplus gate, whose per-pair exponents are the
+  largest temporaries) compiles to a working set of a few times its 1 GiB of arguments: vectorising the
+  chunk-parallel stage over every chunk at once took 24 GiB of temporaries here."""
+  T, Hs, D = 32768, 32, 128
+  sd = jax.ShapeDtypeStruct
+  args = [sd((T, Hs, D), jnp.bfloat16)] * 4 + [sd((T, Hs), jnp.bfloat16)]
+  kw = dict(A_log=sd((Hs,), jnp.float32), dt_bias=sd((Hs, D), jnp.float32), cu_seqlens=sd((2,), jnp.int32),
+            state_pool=sd((4, Hs, D, D), jnp.float32), state_indices=sd((1,), jnp.int32),
+            has_initial_state=sd((1,), jnp.bool_))
+  fn = jax.jit(lambda *a, **k: kda_prefill(*a, **k, config=KdaConfig(impl="xla")))
+  memory = fn.trace(*args, **kw).lower().compile().memory_analysis()
+  assert memory.argument_size_in_bytes < 1.1 * 2 ** 30
+  assert memory.temp_size_in_bytes < 5 * 2 ** 30, memory.temp_size_in_bytes / 2 ** 30
 
 
 # Extreme but valid Kimi-Linear gates (unbounded below): with FLA's dt_bias init (softplus of 1e-3 .. 1e-1)

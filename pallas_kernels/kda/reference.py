@@ -25,6 +25,10 @@ SUB_BLOCK = 16
 GATE_FLOOR = -256.0
 _HI = lax.Precision.HIGHEST
 _f32 = jnp.float32
+# (chunk, head) pairs whose chunk-parallel stage runs at once. Each holds about a megabyte of f32 temporaries
+# (the per-pair gate exponents of its 16 x 16 blocks), so vectorising over every chunk of a long prompt at once
+# would take T / 64 * H of them: tens of GB at 32K tokens and 32 heads. Batches of chunks bound that.
+PREP_CHUNK_HEADS = 256
 
 
 def _einsum(spec: str, *xs: jax.Array) -> jax.Array:
@@ -241,25 +245,23 @@ def _chunked_varlen(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta
                     bounded: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Chunked KDA over packed sequences, f32 throughout.
 
-  Token rows are gathered into the static chunk layout of ``_chunk_layout``, the chunk-parallel stage is
-  vmapped over (chunk, head), and one ``lax.scan`` walks all chunks in order; a sequence's first chunk
-  restarts from its initial state. Memory is ``O((T / C + N) * H * V * K)`` for the per-chunk end states.
+  The chunks of the static layout of ``_chunk_layout`` go in batches of ``PREP_CHUNK_HEADS // H`` (at least one,
+  at most all): a batch's token rows are gathered, its chunk-parallel stage is vmapped over (chunk, head), and a
+  ``lax.scan`` walks its chunks in order, carrying the state into the next batch; a sequence's first chunk
+  restarts from its initial state. Memory is ``O((T / C + N) * H * V * K)`` for the per-chunk end states, with
+  one batch's temporaries at a time.
 
   Args: q, k ``[T, H, K]`` L2-normalised; v ``[T, H, V]``; g ``[T, H, K]`` activated; beta ``[T, H]``;
   cu_seqlens ``[N+1]`` int32; initial_states ``[N, H, V, K]`` f32.
 
   Returns: ``o [T, H, V]`` f32, the state after every chunk ``[NC, H, V, K]`` f32, ``chunk_offsets [N+1]``.
   """
-  T = q.shape[0]
+  T, H = q.shape[:2]
   C = chunk_size
-  chunk_offsets, seq, first, tok, valid = _chunk_layout(cu_seqlens, T, C)
-
-  def rows(x):  # [T, H, ...] -> [NC, H, C, ...], rows past a sequence end zeroed
-    x = jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 1)), x[tok], 0.0)
-    return jnp.moveaxis(x, 1, 2)
-
-  prep = jax.vmap(jax.vmap(functools.partial(_chunk_prep, scale=scale, bounded=bounded)))(
-      rows(q), rows(k), rows(v), rows(g), rows(beta))
+  chunk_offsets, *layout = _chunk_layout(cu_seqlens, T, C)
+  NC = layout[0].shape[0]
+  per_batch = max(1, PREP_CHUNK_HEADS // H)
+  heads = jax.vmap(functools.partial(_chunk_prep, scale=scale, bounded=bounded))
 
   def step(state, x):
     chunk_prep, is_first, n = x
@@ -267,7 +269,27 @@ def _chunked_varlen(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta
     o, state = _chunk_state_step(state, chunk_prep)
     return state, (o, state)
 
-  _, (o_chunks, states) = lax.scan(step, jnp.zeros_like(initial_states[0]), (prep, first, seq))
+  def batch(state, x):
+    seq, first, tok, valid = x
+
+    def rows(a):  # [T, H, ...] -> [chunks, H, C, ...], rows past a sequence end zeroed
+      a = jnp.where(valid.reshape(valid.shape + (1,) * (a.ndim - 1)), a[tok], 0.0)
+      return jnp.moveaxis(a, 1, 2)
+
+    prep = jax.vmap(heads)(*(rows(a) for a in (q, k, v, g, beta)))
+    return lax.scan(step, state, (prep, first, seq))
+
+  state0 = jnp.zeros_like(initial_states[0])
+  if NC <= per_batch:  # one batch (also no chunks at all)
+    _, (o_chunks, states) = batch(state0, layout)
+  else:
+    # Padding chunks (to whole batches) mask every row: k, g and beta are 0 there, so they neither decay nor
+    # write the state, and their end states come after every real chunk's.
+    batches = -(-NC // per_batch)
+    layout = [jnp.pad(a, [(0, batches * per_batch - NC)] + [(0, 0)] * (a.ndim - 1)) for a in layout]
+    layout = [a.reshape((batches, per_batch) + a.shape[1:]) for a in layout]
+    _, (o_chunks, states) = lax.scan(batch, state0, layout)
+    o_chunks, states = (a.reshape((-1,) + a.shape[2:])[:NC] for a in (o_chunks, states))
   # Every token sits in exactly one valid chunk row: gather it back.
   t = jnp.arange(T, dtype=jnp.int32)
   n_of_t = jnp.searchsorted(cu_seqlens, t, side="right") - 1
