@@ -166,7 +166,8 @@ def test_gpu_prefill_at_real_sizes(sizes, state_dtype):
   n = ORACLE_PREFIX
   prefix = {name: a[:n] for name, a in inputs.items() if name not in ("A_log", "dt_bias")}
   ref_o, _, _ = kda_prefill_oracle(**prefix, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"],
-                                   cu_seqlens=np.array([0, n], np.int32), state_pool=np.zeros((1, H, 128, 128)),
+                                   cu_seqlens=np.array([0, n], np.int32),
+                                   state_pool=np.zeros((1, H, sizes["V"], sizes["K"])),
                                    state_indices=np.array([-1], np.int32), has_initial_state=np.array([False]),
                                    lower_bound=None)
   assert not arrays["has_initial_state"][0] and rel_rmse(np.asarray(o[:n], np.float64), ref_o) < tol
