@@ -86,7 +86,8 @@ def test_prefill_varlen_pool_checkpoints(lower_bound, chunk_heads, monkeypatch):
 def test_prefill_xla_memory_at_32k_tokens_and_32_heads():
   """The pure-JAX prefill of one 32K-token prompt at 32 heads (the softplus gate, whose per-pair exponents are the
   largest temporaries) compiles to a working set of a few times its 1 GiB of arguments: vectorising the
-  chunk-parallel stage over every chunk at once took 24 GiB of temporaries here."""
+  chunk-parallel stage over every chunk at once took several times the bound (benchmarks/RESULTS.md, session
+  41)."""
   T, Hs, D = 32768, 32, 128
   sd = jax.ShapeDtypeStruct
   args = [sd((T, Hs, D), jnp.bfloat16)] * 4 + [sd((T, Hs), jnp.bfloat16)]

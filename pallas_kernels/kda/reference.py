@@ -25,9 +25,9 @@ SUB_BLOCK = 16
 GATE_FLOOR = -256.0
 _HI = lax.Precision.HIGHEST
 _f32 = jnp.float32
-# (chunk, head) pairs whose chunk-parallel stage runs at once. Each holds about a megabyte of f32 temporaries
-# (the per-pair gate exponents of its 16 x 16 blocks), so vectorising over every chunk of a long prompt at once
-# would take T / 64 * H of them: tens of GB at 32K tokens and 32 heads. Batches of chunks bound that.
+# (chunk, head) pairs whose chunk-parallel stage runs at once. Each holds C x C x K-sized f32 temporaries (the
+# per-pair gate exponents of its 16 x 16 blocks), so vectorising over every chunk of a long prompt at once would
+# hold T / C * H of them, growing with the prompt (benchmarks/RESULTS.md, session 41). Batches of chunks bound that.
 PREP_CHUNK_HEADS = 256
 
 
