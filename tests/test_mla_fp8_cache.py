@@ -202,8 +202,9 @@ def test_mla_decode_over_fp8_rows_is_attention_over_their_values(partial_dtype, 
   assert rel.max() < FP8_VS_UNQUANTISED_REL_L2
 
 
-# A model of Hopper's e4m3 wgmma (DeepSeek-V3's report of its fp8 accumulation): each product is added to the
-# running sum at the larger of the two exponents and truncated toward zero to about 14 significant bits.
+# A model of Hopper's e4m3 wgmma accumulation (DeepSeek-V3's report of its fp8 accumulation): each product is
+# added to the running sum at the larger of the two exponents and truncated toward zero to about 14 significant
+# bits. It covers the chain of additions only, not the error within one instruction's products.
 E4M3_WGMMA_BITS = 14
 
 
@@ -256,6 +257,7 @@ def test_registers_qk_accumulators_keep_the_gpus_sums_within_the_q_split_bound(c
     lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     ok.append(np.abs(lse - lse_ref[b]) <= 5e-5 + bound[b])
   assert np.concatenate(ok).all() == within
+
 
 @pytest.mark.parametrize("partial_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(("heads", "registers"), [(72, False), (11, False), (11, True)])
