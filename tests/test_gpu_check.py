@@ -5,6 +5,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -156,28 +157,32 @@ def test_the_device_is_read_in_a_child_and_a_cpu_is_refused(tmp_path, capsys):
     assert not (tmp_path / "gpu-check.md").exists()
 
 
-def _counting_section(name: str, log: pathlib.Path, *, limit: int = 60, fail: bool = False) -> gpu_check.Section:
-  """A section that appends its name to ``log`` each time it runs, then passes or fails."""
-  code = f"open({str(log)!r}, 'a').write({name!r} + '\\n'); print('1 passed'); raise SystemExit({int(fail)})"
-  return gpu_check.Section(name, (sys.executable, "-c", code), limit, gpu_check._pytest_summary)
+def _counting_section(name: str, log: pathlib.Path, *, limit: int = 60, fail: bool = False, sleep: float = 0,
+                      expected: int | None = None) -> gpu_check.Section:
+  """A section that appends its name to ``log`` each time it starts, sleeps, then passes or fails."""
+  code = (f"import time; open({str(log)!r}, 'a').write({name!r} + '\\n'); time.sleep({sleep}); print('1 passed'); "
+          f"raise SystemExit({int(fail)})")
+  return gpu_check.Section(name, (sys.executable, "-c", code), limit, gpu_check._pytest_summary, expected_s=expected)
 
 
-def test_a_budget_stops_between_sections_and_resume_runs_only_the_rest(tmp_path: pathlib.Path):
-  """A 10-minute device call runs what fits (a section starts only while its limit fits in the budget) and a
-  later call of the same commit on the same GPU kind finishes the check; its one summary line covers all
-  sections and the span of their times. A failed section is kept, not retried."""
+def test_a_budget_packs_sections_by_their_expected_times_and_resume_runs_only_the_rest(tmp_path: pathlib.Path):
+  """A 10-minute device call runs what fits: a section starts only while its expected time (its limit where it
+  has none) fits in what is left, one that does not is passed over for the later ones, and a later call of the
+  same commit on the same GPU kind finishes the check; its one summary line covers all sections, in their order,
+  and the span of their times. A failed section is kept, not retried; a run of some sections (``--sections``)
+  keeps the others' results."""
   log = tmp_path / "ran.txt"
-  sections = [_counting_section("a", log, limit=60), _counting_section("b", log, limit=60),
-              _counting_section("c", log, limit=500, fail=True), _counting_section("d", log, limit=60)]
+  sections = [_counting_section("a", log, limit=60), _counting_section("b", log, limit=500, expected=250),
+              _counting_section("c", log, limit=500, fail=True), _counting_section("d", log, limit=500, expected=60)]
   where = "NVIDIA H200, jax 0.11.2"
   text, code = gpu_check.run_check(sections, tmp_path, "abc1234", where, budget=200)
-  assert code == 3 and log.read_text().split() == ["a", "b"]
-  assert "gpu-check: INCOMPLETE 2/4 sections (a ok, b ok; 2 still to run) at abc1234 on NVIDIA H200" in text
+  assert code == 3 and log.read_text().split() == ["a", "d"]  # b and c do not fit after a
+  assert "gpu-check: INCOMPLETE 2/4 sections (a ok, d ok; 2 still to run) at abc1234 on NVIDIA H200" in text
   text, code = gpu_check.run_check(sections[:3], tmp_path, "abc1234", where, resume=True, budget=600)
-  assert code == 1 and log.read_text().split() == ["a", "b", "c"]
+  assert code == 1 and log.read_text().split() == ["a", "d", "b", "c"]
   assert "gpu-check: FAIL 2/3 sections (a ok, b ok, c FAILED) at abc1234" in text
   text, code = gpu_check.run_check(sections, tmp_path, "abc1234", where, resume=True)
-  assert code == 1 and log.read_text().split() == ["a", "b", "c", "d"]  # c's failure stands
+  assert code == 1 and log.read_text().split() == ["a", "d", "b", "c"]  # c's failure stands
   assert "gpu-check: FAIL 3/4 sections (a ok, b ok, c FAILED, d ok) at abc1234 on NVIDIA H200, jax 0.11.2, 20" in text
   state = json.loads((tmp_path / gpu_check.STATE).read_text())
   assert [r["name"] for r in state["results"]] == ["a", "b", "c", "d"] and all(r["finished"] for r in state["results"])
@@ -189,6 +194,26 @@ def test_a_budget_stops_between_sections_and_resume_runs_only_the_rest(tmp_path:
     gpu_check.run_check(sections, tmp_path, "def5678", where, resume=True)
   with pytest.raises(ValueError, match="this run is at abc1234 on NVIDIA H100"):
     gpu_check.run_check(sections, tmp_path, "abc1234", "NVIDIA H100 80GB HBM3, jax 0.11.2", resume=True)
+
+
+def test_a_section_cut_by_the_budget_gets_no_verdict_and_runs_again(tmp_path: pathlib.Path):
+  """A section slower than expected is stopped where the budget ends (before the device call's own limit cuts
+  the whole run) and saved as nothing: the next call runs it again. Its own limit still fails it."""
+  log = tmp_path / "ran.txt"
+  slow = _counting_section("slow", log, limit=60, sleep=30, expected=1)
+  where = "NVIDIA H200, jax 0.11.2"
+  t0 = time.perf_counter()
+  a = _counting_section("a", log, expected=1)
+  text, code = gpu_check.run_check([a, slow], tmp_path, "abc1234", where, budget=3)
+  assert time.perf_counter() - t0 < 20 and code == 3 and log.read_text().split() == ["a", "slow"]
+  assert "gpu-check: INCOMPLETE 1/2 sections (a ok; 1 still to run)" in text
+  assert [r["name"] for r in json.loads((tmp_path / gpu_check.STATE).read_text())["results"]] == ["a"]
+  fast = _counting_section("slow", log, limit=60, expected=1)
+  text, code = gpu_check.run_check([a, fast], tmp_path, "abc1234", where, resume=True, budget=30)
+  assert code == 0 and log.read_text().split() == ["a", "slow", "slow"]
+  assert "gpu-check: PASS 2/2 sections (a ok, slow ok)" in text
+  res = gpu_check.run_section(_counting_section("own", log, limit=1, sleep=30), tmp_path, timeout_s=5)
+  assert not res.ok and "timed out after 1 s" in res.summary
 
 
 def test_the_summary_line_spans_the_sections_times(tmp_path: pathlib.Path):

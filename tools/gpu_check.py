@@ -43,7 +43,8 @@ class Section:
   """One check: ``argv`` (``{json}`` is replaced by its JSON path), a time limit and a summariser.
 
   ``summary(log, json_path)`` returns the key numbers as text (raise to mark the section failed). ``env``
-  is added to the environment.
+  is added to the environment. ``expected_s`` (default: the time limit) is what ``--budget`` plans with: the
+  limits leave room for a slow machine, so packing calls by them would leave most of each call unused.
   """
 
   name: str
@@ -51,6 +52,15 @@ class Section:
   timeout_s: int
   summary: Callable[[str, pathlib.Path], str]
   env: tuple[tuple[str, str], ...] = ()
+  expected_s: int | None = None
+
+  @property
+  def planned_s(self) -> int:
+    return self.timeout_s if self.expected_s is None else self.expected_s
+
+
+class BudgetSpent(Exception):
+  """A section reached the end of the ``--budget`` before its own time limit: no verdict, it runs again."""
 
 
 def _pytest_summary(log: str, _: pathlib.Path) -> str:
@@ -158,6 +168,8 @@ PY = sys.executable
 # by its time limit still names its failures; -rf repeats them with their reasons at the end.
 PYTEST = (PY, "-m", "pytest", "-v", "-rf", "-p", "no:cacheprovider", "-n", "14")
 SHARED_GPU = (("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),)
+# Each section's expected_s is its time on an H100 or H200 as measured, rounded up (what --budget packs calls
+# with); its limit is the verdict's, with room for a slower machine.
 # The suite outside the gpu-marked and randomized tests needs more than one 10-minute device call: it is
 # split into the kernel packages' test files and the rest.
 KERNEL_TESTS = ("test_kda_", "test_mla_", "test_short_conv", "test_moe_", "test_mosaic_", "test_platform")
@@ -171,27 +183,29 @@ def suite_files(kernels: bool) -> tuple[str, ...]:
 
 UNMARKED = ("-m", "not gpu", "-k", "not randomized")
 SECTIONS = (
-    Section("gpu-tests", PYTEST + ("-m", "gpu"), 420, _pytest_summary, SHARED_GPU),
-    Section("randomized", PYTEST + ("-k", "randomized", "tests"), 420, _pytest_summary, SHARED_GPU),
-    Section("kernel-tests", PYTEST + UNMARKED + suite_files(True), 540, _pytest_summary, SHARED_GPU),
-    Section("model-tests", PYTEST + UNMARKED + suite_files(False), 540, _pytest_summary, SHARED_GPU),
-    Section("demo", (PY, "-m", "k3jax.demo"), 240, _demo_summary),
+    Section("gpu-tests", PYTEST + ("-m", "gpu"), 420, _pytest_summary, SHARED_GPU, expected_s=240),
+    Section("randomized", PYTEST + ("-k", "randomized", "tests"), 420, _pytest_summary, SHARED_GPU, expected_s=210),
+    Section("kernel-tests", PYTEST + UNMARKED + suite_files(True), 540, _pytest_summary, SHARED_GPU, expected_s=240),
+    Section("model-tests", PYTEST + UNMARKED + suite_files(False), 540, _pytest_summary, SHARED_GPU,
+            expected_s=360),
+    Section("demo", (PY, "-m", "k3jax.demo"), 240, _demo_summary, expected_s=150),
     Section("kda-prefill", (PY, "benchmarks/kda_prefill.py", "--quick", "--shapes", "0", "3", "--json", "{json}"),
-            300, _kda_prefill),
-    Section("kda-decode", (PY, "benchmarks/kda_decode.py", "--quick", "--json", "{json}"), 300, _kda_decode),
-    Section("short-conv", (PY, "benchmarks/short_conv.py", "--quick", "--json", "{json}"), 300, _short_conv),
+            300, _kda_prefill, expected_s=240),
+    Section("kda-decode", (PY, "benchmarks/kda_decode.py", "--quick", "--json", "{json}"), 300, _kda_decode,
+            expected_s=90),
+    Section("short-conv", (PY, "benchmarks/short_conv.py", "--quick", "--json", "{json}"), 300, _short_conv,
+            expected_s=100),
     Section("mla-decode", (PY, "benchmarks/mla_decode.py", "--batch", "32", "--context", "32768", "--heads", "16",
                            "128", "--cache-dtypes", "bfloat16", "float8_e4m3fn", "--fp8-paths", "ring", "registers",
-                           "--json", "{json}"), 300,
-            _mla_decode),
+                           "--json", "{json}"), 300, _mla_decode, expected_s=90),
     Section("mla-prefill", (PY, "benchmarks/mla_prefill.py", "--T", "32768", "--N", "1", "--H", "96", "11",
                             "--impl", "pallas", "--peers", "jax-cudnn-mla", "torch-cudnn", "--json", "{json}"),
-            300, _mla_prefill),
+            300, _mla_prefill, expected_s=150),
     Section("sharded-block", (PY, "benchmarks/sharded_block.py", "--devices", "1", "--experts", "16", "--seqs", "2",
                               "--prompt-len", "1024", "--context", "4096", "--decode-steps", "2", "--reps", "1",
-                              "--json", "{json}"), 300, _sharded_block),
+                              "--json", "{json}"), 300, _sharded_block, expected_s=100),
     Section("prefix-cache", (PY, "benchmarks/prefix_cache.py", "--experts", "16", "--reps", "3", "--json", "{json}"),
-            300, _prefix_cache),
+            300, _prefix_cache, expected_s=150),
 )
 
 
@@ -208,8 +222,11 @@ def _now() -> str:
   return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
 
 
-def run_section(section: Section, out: pathlib.Path) -> Result:
-  """Runs one section, writing ``<out>/<name>.log``; a non-zero exit, a time-out or a summariser error fails."""
+def run_section(section: Section, out: pathlib.Path, timeout_s: float | None = None) -> Result:
+  """Runs one section, writing ``<out>/<name>.log``; a non-zero exit, a time-out or a summariser error fails.
+
+  ``timeout_s`` below the section's own limit is what is left of a budget: reaching it raises ``BudgetSpent``."""
+  limit = section.timeout_s if timeout_s is None else min(section.timeout_s, timeout_s)
   json_path = out / f"{section.name}.json"
   json_path.unlink(missing_ok=True)
   failures = out / f"{section.name}.failures.txt"
@@ -225,9 +242,12 @@ def run_section(section: Section, out: pathlib.Path) -> Result:
   with open(log_path, "w") as log_file:
     try:
       code = subprocess.run(argv, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                            timeout=section.timeout_s).returncode
+                            timeout=limit).returncode
       ok, why = code == 0, f"exit {code}"
     except subprocess.TimeoutExpired:
+      if limit < section.timeout_s:
+        print(f"[gpu-check] {section.name}: cut at the end of the budget ({limit:.0f} s); no verdict", flush=True)
+        raise BudgetSpent(section.name) from None
       ok, why = False, f"timed out after {section.timeout_s} s"
   seconds = time.perf_counter() - t0
   log = log_path.read_text()
@@ -268,23 +288,32 @@ def run_check(planned: Sequence[Section], out: pathlib.Path, commit: str, where:
   """Runs the ``planned`` sections in order and returns the report's text and the exit status: 0 all passed, 1
   a section failed, 3 stopped before the end without a failure.
 
-  ``budget`` (seconds): a section starts only while its time limit fits in what is left, so that a run inside a
-  device call's time limit stops between sections instead of being cut inside one; ``resume`` keeps the sections
-  that an earlier run of the same commit on the same kind of GPU finished (passed or failed: a failure is not
-  retried) and runs the rest. The state is saved after every section."""
+  ``budget`` (seconds): a section starts only while its expected time fits in what is left (a section that does
+  not fit is passed over for the next ones), and runs at most until the budget ends; one cut there gets no verdict
+  and runs again in the next call. So a run inside a device call's time limit ends before the call is cut, with
+  every finished section saved. ``resume`` keeps the sections that an earlier run of the same commit on the same
+  kind of GPU finished (passed or failed: a failure is not retried) and runs the rest. The state is saved after
+  every section."""
   done = load_state(out, commit, where) if resume else {}
   results = [done[s.name] for s in planned if s.name in done]
+  # Sections of the state that this run does not plan (``--sections``) stay in it for a later run of them all.
+  others = [r for name, r in done.items() if name not in {s.name for s in planned}]
   t0 = time.perf_counter()
   text = report(results, len(planned), commit, where, out, left_out)
   for section in planned:
     if section.name in done:
       continue
-    if budget is not None and budget - (time.perf_counter() - t0) < section.timeout_s:
-      print(f"[gpu-check] {section.name}: its {section.timeout_s} s limit does not fit in what is left of the "
-            f"{budget:.0f} s budget; stopping (run again with --resume)", flush=True)
+    left = None if budget is None else budget - (time.perf_counter() - t0)
+    if left is not None and left < section.planned_s:
+      print(f"[gpu-check] {section.name}: its expected {section.planned_s} s do not fit in the {left:.0f} s left "
+            f"of the {budget:.0f} s budget; passed over (run again with --resume)", flush=True)
+      continue
+    try:
+      results.append(run_section(section, out, left))
+    except BudgetSpent:
       break
-    results.append(run_section(section, out))
-    save_state(out, commit, where, results)
+    results.sort(key=lambda r: [p.name for p in planned].index(r.name))
+    save_state(out, commit, where, results + others)
     text = report(results, len(planned), commit, where, out, left_out)
   code = 1 if not all(r.ok for r in results) else 3 if len(results) < len(planned) else 0
   return text, code
@@ -315,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--out", default=str(ROOT / "gpu-check-out"), help="folder for the table, logs and JSON")
   parser.add_argument("--commit", default=None, help="commit to name in the table (default: git's HEAD)")
   parser.add_argument("--budget", type=float, default=None,
-                      help="seconds: start a section only while its time limit fits in what is left")
+                      help="seconds: start a section only while its expected time fits in what is left, and end "
+                           "by then")
   parser.add_argument("--resume", action="store_true",
                       help="keep the sections that an earlier run into --out finished at this commit on this GPU")
   args = parser.parse_args(argv)
