@@ -299,17 +299,23 @@ def test_kernel_over_fp8_rows_is_attention_over_their_values(kernel_impl, partia
 LONG_LSE_ATOL = 1e-3
 
 
+_FULL_SPLITS_XFAIL = pytest.mark.xfail(strict=True, reason=(
+    "the fp8 pages in registers at four full sequences in the default splits: the GPU's e4m3 products give the "
+    "logits an error and a bias that interpret mode cannot show (benchmarks/RESULTS.md, sessions 41 and 42)"))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("registers", [False, pytest.param(True, marks=pytest.mark.xfail(
-    strict=True, reason="the GPU's e4m3 products give the logits an error that interpret mode cannot show, beyond "
-    "these tolerances on an H100 (benchmarks/RESULTS.md, session 41)"))])
-def test_gpu_fp8_narrow_kernel_at_32k_tokens_is_attention_over_the_held_values(registers):
-  """Real sizes: sequences of 32768 and 20000 tokens (512 and 313 pages, four splits: up to 128 pages a split)
-  at 16 heads, q and rows N(0, 1) (diffuse attention, as in ``benchmarks/mla_decode.py``), in fp8 rows, with
-  poisoned unused rows: the narrow kernel against the f64 oracle of the values the rows hold, within the bf16
-  cache's kernel tolerance (f32 partials). The f16 ring (the default) meets it; the fp8 pages in registers do not
-  on the GPU (strict: a fix shows as an unexpected pass)."""
-  q, cache, table, lens = mla_paged_inputs(41, [32768, 20000], num_heads=16, max_pages=512, q_dtype=jnp.bfloat16)
+@pytest.mark.parametrize(("lens", "num_splits", "registers"), [
+    ([32768, 20000], 4, False), ([32768, 20000], 4, True),
+    ([32768] * 4, None, False), pytest.param([32768] * 4, None, True, marks=_FULL_SPLITS_XFAIL)])
+def test_gpu_fp8_narrow_kernel_at_32k_tokens_is_attention_over_the_held_values(lens, num_splits, registers):
+  """Real sizes at 16 heads, q and rows N(0, 1) (diffuse attention, as in ``benchmarks/mla_decode.py``), in fp8
+  rows, with poisoned unused rows: the narrow kernel against the f64 oracle of the values the rows hold, within
+  the bf16 cache's kernel tolerance (f32 partials). Sequences of 32768 and 20000 tokens (512 and 313 pages) in four
+  splits (up to 128 pages a split), and four of 32768 tokens in the default splits (about 18 pages a split). The
+  f16 ring (the default) meets both; the fp8 pages in registers meet the first and not the second on the GPU
+  (strict: a fix shows as an unexpected pass)."""
+  q, cache, table, lens = mla_paged_inputs(41, lens, num_heads=16, max_pages=512, q_dtype=jnp.bfloat16)
   fp8 = cache_format.quantize_rows(cache.astype(jnp.float32), FP8, LATENT_DIM)
   assert mla_kernel.narrow_applies(16, FP8)
   with np.errstate(invalid="ignore"):  # the poisoned rows decode to NaN; no sequence reads them
@@ -317,8 +323,8 @@ def test_gpu_fp8_narrow_kernel_at_32k_tokens_is_attention_over_the_held_values(r
   o_ref, lse_ref = mla_decode_oracle(q, held, np.asarray(table), np.asarray(lens), scale=K3_MLA_SCALE)
   o, lse = mla_decode(q, fp8, table, lens, out_dtype=jnp.float32, config=MlaDecodeConfig(
       scale=K3_MLA_SCALE, partial_dtype=jnp.float32, impl="pallas",
-      tuning=MlaDecodeTuning(num_splits=4, fp8_in_registers=registers)))
-  assert o.shape == (2, 16, LATENT_DIM) and o.dtype == jnp.float32 and lse.shape == (2, 16)
+      tuning=MlaDecodeTuning(num_splits=num_splits, fp8_in_registers=registers)))
+  assert o.shape == (len(lens), 16, LATENT_DIM) and o.dtype == jnp.float32 and lse.shape == (len(lens), 16)
   o, lse = np.asarray(o, np.float64), np.asarray(lse, np.float64)
   rel = np.linalg.norm(o - o_ref, axis=-1) / np.linalg.norm(o_ref, axis=-1)
   assert rel.max() < KERNEL_O_REL_L2[jnp.float32], rel.max()

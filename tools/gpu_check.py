@@ -163,11 +163,13 @@ def _sharded_block(_: str, path: pathlib.Path) -> str:
 
 PY = sys.executable
 # The test sections are bound by kernel compiles on the host's cores: pytest-xdist workers share the GPU,
-# each allocating on demand (JAX would otherwise take 75% of the GPU's memory per process). The benchmarks
+# each allocating on demand (JAX would otherwise take 75% of the GPU's memory per process) and giving back
+# what a test freed (the platform allocator: JAX's own pool would keep each worker's largest test's memory to
+# the end of the run, and the real-size tests of other workers then ran out of memory). The benchmarks
 # run alone, one process at a time. Each test's verdict is logged as it ends (-v), so that a section cut short
 # by its time limit still names its failures; -rf repeats them with their reasons at the end.
 PYTEST = (PY, "-m", "pytest", "-v", "-rf", "-p", "no:cacheprovider", "-n", "14")
-SHARED_GPU = (("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),)
+SHARED_GPU = (("XLA_PYTHON_CLIENT_PREALLOCATE", "false"), ("XLA_PYTHON_CLIENT_ALLOCATOR", "platform"))
 # Each section's expected_s is its time on an H100 or H200 as measured, rounded up (what --budget packs calls
 # with); its limit is the verdict's, with room for a slower machine.
 # The suite outside the gpu-marked and randomized tests needs more than one 10-minute device call: it is
