@@ -10,6 +10,7 @@ the code as measured; a change that raises one must say why (and lower the budge
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -44,9 +45,10 @@ EXPECTED = {
     "mla-decode-hq16-bf16": (("mla_decode_narrow",), 2),
     "mla-decode-hq128-bf16": (("mla_decode_wide",), 2),
     "mla-decode-hq16-fp8": (("mla_decode_narrow_fp8",), 3),
-    # fp8 pages in registers: q's two e4m3 parts and s_q take three small XLA kernels (its row maxima, s_q, the
-    # parts), the merge three as with the other narrow kernels.
-    "mla-decode-hq16-fp8-regs": (("mla_decode_narrow_fp8_regs",), 6),
+    # fp8 pages in registers: q's two e4m3 parts and s_q take four small XLA kernels (its row maxima, s_q, q_hi,
+    # then q_lo from q_hi behind an optimization barrier: kernel.split_e4m3), the merge three as with the other
+    # narrow kernels.
+    "mla-decode-hq16-fp8-regs": (("mla_decode_narrow_fp8_regs",), 7),
     "mla-decode-hq128-fp8": (("mla_decode_wide_fp8",), 2),
     "short-conv-prefill": (("short_conv_prefill",), 3),
     "mla-prefill-8192-h16": (("mla_prefill",), 6),
@@ -112,3 +114,33 @@ def test_every_kernel_compiles_for_sm90a_within_its_spill_budget(tmp_path):
       stores, loads = SPILL_BUDGET.get(k["name"].removesuffix(SUFFIX), (0, 0))
       assert k["spill_stores"] <= stores and k["spill_loads"] <= loads, (case, k)
     assert len(reports[case]["xla_only"]) <= max_xla, (case, reports[case]["xla_only"])
+
+
+# Compiles q's e4m3 split (the fp8-registers MLA path) for the H200 at XLA's default flags, not the tests'
+# (conftest disables excess precision), and prints the optimized HLO.
+_SPLIT_HLO = """
+import jax, jax.numpy as jnp
+from tools import sm90_compile
+from pallas_kernels.mla import kernel
+device = sm90_compile.compile_only_device()
+q = jax.ShapeDtypeStruct((2, 16, 576), jnp.bfloat16, sharding=jax.sharding.SingleDeviceSharding(device))
+print(jax.jit(kernel.split_e4m3).trace(q).lower().compile().as_text())
+"""
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu",
+                    reason="on a GPU machine the split runs for real (test_mla_fp8_cache.py)")
+def test_q_split_keeps_the_e4m3_rounding_through_xlas_gpu_compiler_at_its_default_flags():
+  """q_lo is the remainder of q after q_hi's rounding to e4m3. XLA's GPU compiler, allowed excess precision (its
+  default, which users run with), may fold f32 -> e4m3 -> f32 into the f32 value, leaving q_lo without that
+  remainder; the optimized HLO must still widen an e4m3 value back to f32."""
+  if not (AOT / "jax_plugins").is_dir():
+    pytest.fail(f"the CUDA plugin is not installed in {AOT}: run `make aot` (make test does)")
+  flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "excess_precision" not in f)
+  env = dict(os.environ, PYTHONPATH=f"{AOT}{os.pathsep}{ROOT}", JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+  proc = subprocess.run([sys.executable, "-c", _SPLIT_HLO], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  fp8_values = set(re.findall(r"(%\S+) = f8e4m3fn\[", proc.stdout))
+  widened = [name for name in re.findall(r"= f32\[[^\]]*\]\S* convert\((%[^)\s,]+)\)", proc.stdout)]
+  assert fp8_values and any(name in fp8_values for name in widened), proc.stdout[-3000:]

@@ -68,10 +68,9 @@ CONVERT_LAYOUT = plgpu.Layout.WGMMA_UPCAST_2X
 REG_STAGES = 4
 Q_LO_FACTOR = 16.0
 # An e4m3 wgmma does not keep an f32 running sum: each product is added at the sum's exponent to about 14 bits,
-# the low bits truncated (DeepSeek-V3's report; that model reproduces a peaky logit's error on the GPU, not the
-# bias it gives diffuse attention, which arises within each instruction: benchmarks/RESULTS.md), so the error grows
-# with the sum a chain of products adds onto. QK adds the latent columns' products in QK_CHUNK columns per
-# accumulator (4 wgmma steps of 32) and those in f32, as that report's kernels promote every 128.
+# the low bits truncated (DeepSeek-V3's report; that model reproduces a peaky logit's error on the GPU), so the
+# error grows with the sum a chain of products adds onto. QK adds the latent columns' products in QK_CHUNK columns
+# per accumulator (4 wgmma steps of 32) and those in f32, as that report's kernels promote every 128.
 QK_CHUNK = 128
 # The pages' bytes as uint16 pairs: a transposed 16-bit load puts two tokens' pairs in a register, and two bit
 # operations per pair make the f16 operands of V^T (the even and the odd latent columns) without a conversion
@@ -96,7 +95,10 @@ def split_e4m3(q: jax.Array) -> tuple[jax.Array, jax.Array]:
   s_q = cache_format.part_scale(x)  # the cache rows' own scale rule
   x = x / s_q
   hi = jnp.clip(x, -cache_format.FP8_MAX, cache_format.FP8_MAX).astype(cache_format.FP8)
-  lo = ((x - hi.astype(jnp.float32)) * Q_LO_FACTOR).astype(cache_format.FP8)
+  # XLA's GPU compiler, at its default (excess precision allowed), folds f32 -> e4m3 -> f32 into the f32 value
+  # itself: q_lo would then hold only what the clip cut, and q about e4m3's 3 bits. The barrier keeps hi's
+  # rounding in the remainder.
+  lo = ((x - jax.lax.optimization_barrier(hi).astype(jnp.float32)) * Q_LO_FACTOR).astype(cache_format.FP8)
   return jnp.concatenate([hi, lo], axis=1), s_q[..., 0]
 
 
