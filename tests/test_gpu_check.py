@@ -91,6 +91,16 @@ def test_benchmark_summaries_quote_peer_ratios(tmp_path: pathlib.Path):
                                   partial="float32", time_us=160.0, frac_copy=0.93, vs_bf16=1.83, narrow=True)))
   assert gpu_check._mla_decode("", path) == ("B=32 ctx=32768 Hq=16 narrow float8_e4m3fn cache registers float32 "
                                              "160.0 us, 93% of copy, 1.83x bf16 cache")
+  # An fp8 path whose output strays from the bf16 cache's beyond the rows' own rounding fails the section; NaN too.
+  for err, ok in ((0.017, True), (0.033, False), (float("nan"), False)):
+    path.write_text(json.dumps(dict(batch=32, context=32768, heads=16, cache="float8_e4m3fn", fp8_path="registers",
+                                    partial="bfloat16", time_us=160.0, frac_copy=0.93, vs_bf16=1.83,
+                                    bf16_rel_err=err)))
+    if ok:
+      assert gpu_check._mla_decode("", path).endswith("1.83x bf16 cache")
+    else:
+      with pytest.raises(ValueError, match="fp8 output error against the bf16 cache above 0.025: registers bfloat16"):
+        gpu_check._mla_decode("", path)
   # With the SM clocks that mla_decode.py reads (NaN where nvidia-smi gave none): each side's, where finite.
   path.write_text("\n".join(json.dumps(dict(batch=32, context=32768, heads=128, cache="bfloat16", partial="bfloat16",
                                             time_us=575.0, frac_copy=0.47, ratio_flashmla=0.9, sm_mhz=m,

@@ -121,13 +121,29 @@ _kda_decode = _each(lambda r: f"N={r['N']} H={r['H']} {r['state']} {r['ours_us']
                               f"{r['copy_frac']:.0%} of copy{_ratio(r, 'vs_fla', 'FLA')}")
 _short_conv = _each(lambda r: f"{r['phase']} N={r['N']} H={r['H']} {r['conv_us']:.1f} us, "
                               f"{r['conv_xla_us'] / r['conv_us']:.2f}x XLA")
-_mla_decode = _each(lambda r: f"B={r['batch']} ctx={r['context']} Hq={r['heads']} "
-                              f"{'narrow ' if r.get('narrow') else ''}"
-                              f"{'' if r.get('cache', 'bfloat16') == 'bfloat16' else r['cache'] + ' cache '}"
-                              f"{r['fp8_path'] + ' ' if r.get('fp8_path') else ''}"
-                              f"{r['partial']} {r['time_us']:.1f} us{_mhz(r, 'sm_mhz')}, {r['frac_copy']:.0%} of copy"
-                              f"{_ratio(r, 'ratio_flashmla', 'FlashMLA')}{_mhz(r, 'flashmla_sm_mhz')}"
-                              f"{_ratio(r, 'vs_bf16', 'bf16 cache')}")
+_mla_decode_rows = _each(lambda r: f"B={r['batch']} ctx={r['context']} Hq={r['heads']} "
+                                   f"{'narrow ' if r.get('narrow') else ''}"
+                                   f"{'' if r.get('cache', 'bfloat16') == 'bfloat16' else r['cache'] + ' cache '}"
+                                   f"{r['fp8_path'] + ' ' if r.get('fp8_path') else ''}"
+                                   f"{r['partial']} {r['time_us']:.1f} us{_mhz(r, 'sm_mhz')}, "
+                                   f"{r['frac_copy']:.0%} of copy"
+                                   f"{_ratio(r, 'ratio_flashmla', 'FlashMLA')}{_mhz(r, 'flashmla_sm_mhz')}"
+                                   f"{_ratio(r, 'vs_bf16', 'bf16 cache')}")
+# An fp8 row's output against the bf16 cache's (``bf16_rel_err`` of mla_decode.py's N(0, 1) inputs) is the e4m3
+# rows' own rounding, the same for both fp8 paths; a path that adds an error of its own fails the section. The
+# benchmark runs at XLA's default flags, where the tests do not: q's e4m3 split lost its low part there alone
+# (benchmarks/RESULTS.md, session 42).
+MLA_FP8_REL_ERR_MAX = 2.5e-2
+
+
+def _mla_decode(log: str, path: pathlib.Path) -> str:
+  """Each row's time, copy fraction and ratios; raises for an fp8 row whose output error exceeds
+  ``MLA_FP8_REL_ERR_MAX``."""
+  bad = [f"{r.get('fp8_path') or 'fp8'} {r['partial']} {r['bf16_rel_err']:.1e}" for r in _rows(path)
+         if r.get("bf16_rel_err") is not None and not r["bf16_rel_err"] <= MLA_FP8_REL_ERR_MAX]
+  if bad:
+    raise ValueError(f"fp8 output error against the bf16 cache above {MLA_FP8_REL_ERR_MAX}: {', '.join(bad)}")
+  return _mla_decode_rows(log, path)
 
 
 def _mla_prefill(_: str, path: pathlib.Path) -> str:
@@ -186,7 +202,7 @@ def suite_files(kernels: bool) -> tuple[str, ...]:
 UNMARKED = ("-m", "not gpu", "-k", "not randomized")
 SECTIONS = (
     Section("gpu-tests", PYTEST + ("-m", "gpu"), 420, _pytest_summary, SHARED_GPU, expected_s=240),
-    Section("randomized", PYTEST + ("-k", "randomized", "tests"), 420, _pytest_summary, SHARED_GPU, expected_s=210),
+    Section("randomized", PYTEST + ("-k", "randomized", "tests"), 420, _pytest_summary, SHARED_GPU, expected_s=240),
     Section("kernel-tests", PYTEST + UNMARKED + suite_files(True), 540, _pytest_summary, SHARED_GPU, expected_s=240),
     Section("model-tests", PYTEST + UNMARKED + suite_files(False), 540, _pytest_summary, SHARED_GPU,
             expected_s=360),
