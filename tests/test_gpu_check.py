@@ -1,5 +1,6 @@
 """`make gpu-check`'s runner and summarisers, on the CPU (the sections themselves need a Hopper GPU)."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -234,3 +235,30 @@ def test_the_summary_line_spans_the_sections_times(tmp_path: pathlib.Path):
   assert line([one]).endswith("on H200, 2026-12-05 13:51 UTC")
   assert line([one, two]).endswith("on H200, 2026-12-05 13:51-14:20 UTC")
   assert line([one, two, three]).endswith("on H200, 2026-12-05 13:51 UTC to 2026-12-06 09:05 UTC")
+
+
+def test_sections_of_one_group_run_side_by_side_and_keep_their_own_verdicts(tmp_path: pathlib.Path):
+  """Two adjacent sections of one group start together (the pair takes about the longer one's time, not the sum)
+  and are saved each with its own verdict; a group whose longest expected time does not fit is passed over whole;
+  one cut by the budget gets no verdict while its partner that finished is saved."""
+  log = tmp_path / "ran.txt"
+  group = lambda name, sleep, fail=False, expected=5: dataclasses.replace(
+      _counting_section(name, log, sleep=sleep, fail=fail, expected=expected), group="g")
+  where = "NVIDIA H200, jax 0.11.2"
+  t0 = time.perf_counter()
+  text, code = gpu_check.run_check([group("a", 4), group("b", 4, fail=True), _counting_section("c", log)],
+                                   tmp_path, "abc1234", where)
+  assert time.perf_counter() - t0 < 7.5 and code == 1  # one after the other: over 8 s and sorted(log.read_text().split()) == ["a", "b", "c"]
+  assert "gpu-check: FAIL 2/3 sections (a ok, b FAILED, c ok)" in text
+  assert [s.name for s in gpu_check._units([group("a", 0), group("b", 0), _counting_section("c", log),
+                                            group("d", 0)])[0]] == ["a", "b"]
+  log.unlink()
+  (tmp_path / "1").mkdir()
+  (tmp_path / "2").mkdir()
+  text, code = gpu_check.run_check([group("a", 0, expected=1), group("b", 0, expected=50)], tmp_path / "1", "abc1234",
+                                   where, budget=20)
+  assert code == 3 and not log.exists() and "INCOMPLETE 0/2 sections" in text
+  text, code = gpu_check.run_check([group("a", 0, expected=1), group("b", 30, expected=1)], tmp_path / "2", "abc1234",
+                                   where, budget=3)
+  assert code == 3 and "gpu-check: INCOMPLETE 1/2 sections (a ok; 1 still to run)" in text
+  assert [r["name"] for r in json.loads((tmp_path / "2" / gpu_check.STATE).read_text())["results"]] == ["a"]

@@ -6,7 +6,8 @@ Sections (each a subprocess with its own time limit and log):
   kernel-tests the rest of the kernel files' tests (``-m "not gpu" -k "not randomized"``), compiled
   model-tests  the rest of the suite: layers, model, caches, loaders, CLI and benchmark scripts on the GPU's XLA
                (tests of a mesh larger than the one GPU skip: CI runs them on 9 CPU devices)
-  Each test section logs every failure's traceback as it happens to ``<out>/<name>.failures.txt``.
+  Each test section logs every failure's traceback as it happens to ``<out>/<name>.failures.txt``; gpu-tests
+  and randomized run side by side, and so do kernel-tests and model-tests.
   demo         ``python -m k3jax.demo`` with the Pallas kernels
   kda-prefill, kda-decode, short-conv, mla-decode, mla-prefill, sharded-block, prefix-cache   each benchmark
                in its quick mode; the summary quotes the key numbers and the ratios to the peers (FLA,
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import concurrent.futures
 import dataclasses
 import datetime
 import json
@@ -44,7 +46,8 @@ class Section:
 
   ``summary(log, json_path)`` returns the key numbers as text (raise to mark the section failed). ``env``
   is added to the environment. ``expected_s`` (default: the time limit) is what ``--budget`` plans with: the
-  limits leave room for a slow machine, so packing calls by them would leave most of each call unused.
+  limits leave room for a slow machine, so packing calls by them would leave most of each call unused. Adjacent
+  sections of one ``group`` run side by side (their expected times are those of that run).
   """
 
   name: str
@@ -53,6 +56,7 @@ class Section:
   summary: Callable[[str, pathlib.Path], str]
   env: tuple[tuple[str, str], ...] = ()
   expected_s: int | None = None
+  group: str | None = None
 
   @property
   def planned_s(self) -> int:
@@ -178,18 +182,19 @@ def _sharded_block(_: str, path: pathlib.Path) -> str:
 
 
 PY = sys.executable
-# The test sections are bound by kernel compiles on the host's cores: pytest-xdist workers share the GPU,
-# each allocating on demand (JAX would otherwise take 75% of the GPU's memory per process) and giving back
-# what a test freed (the platform allocator: JAX's own pool would keep each worker's largest test's memory to
-# the end of the run, and the real-size tests of other workers then ran out of memory). The benchmarks
-# run alone, one process at a time. Each test's verdict is logged as it ends (-v), so that a section cut short
-# by its time limit still names its failures; -rf repeats them with their reasons at the end.
+# The test sections are bound by kernel compiles on the host's cores, and run two at a time side by side (a
+# section's last minutes run a few long tests on a few workers; the other section's workers take the idle cores).
+# pytest-xdist workers share the GPU, each allocating on demand (JAX would otherwise take 75% of the GPU's memory
+# per process) and giving back what a test freed (the platform allocator: JAX's own pool would keep each
+# worker's largest test's memory to the end of the run, and the real-size tests of other workers then ran out of
+# memory). The benchmarks run alone, one process at a time. Each test's verdict is logged as it ends (-v), so
+# that a section cut short by its time limit still names its failures; -rf repeats them with their reasons.
 PYTEST = (PY, "-m", "pytest", "-v", "-rf", "-p", "no:cacheprovider", "-n", "14")
 SHARED_GPU = (("XLA_PYTHON_CLIENT_PREALLOCATE", "false"), ("XLA_PYTHON_CLIENT_ALLOCATOR", "platform"))
-# Each section's expected_s is its time on an H100 or H200 as measured, rounded up (what --budget packs calls
-# with); its limit is the verdict's, with room for a slower machine.
-# The suite outside the gpu-marked and randomized tests needs more than one 10-minute device call: it is
-# split into the kernel packages' test files and the rest.
+# Each section's expected_s is its time on an H100 or H200 as measured (side by side for the test sections),
+# rounded up: what --budget packs calls with; its limit is the verdict's, with room for a slower machine.
+# The suite outside the gpu-marked and randomized tests is split into the kernel packages' test files and the
+# rest.
 KERNEL_TESTS = ("test_kda_", "test_mla_", "test_short_conv", "test_moe_", "test_mosaic_", "test_platform")
 
 
@@ -201,11 +206,13 @@ def suite_files(kernels: bool) -> tuple[str, ...]:
 
 UNMARKED = ("-m", "not gpu", "-k", "not randomized")
 SECTIONS = (
-    Section("gpu-tests", PYTEST + ("-m", "gpu"), 420, _pytest_summary, SHARED_GPU, expected_s=240),
-    Section("randomized", PYTEST + ("-k", "randomized", "tests"), 420, _pytest_summary, SHARED_GPU, expected_s=240),
-    Section("kernel-tests", PYTEST + UNMARKED + suite_files(True), 540, _pytest_summary, SHARED_GPU, expected_s=240),
+    Section("gpu-tests", PYTEST + ("-m", "gpu"), 420, _pytest_summary, SHARED_GPU, expected_s=300, group="marked"),
+    Section("randomized", PYTEST + ("-k", "randomized", "tests"), 420, _pytest_summary, SHARED_GPU, expected_s=300,
+            group="marked"),
+    Section("kernel-tests", PYTEST + UNMARKED + suite_files(True), 540, _pytest_summary, SHARED_GPU, expected_s=360,
+            group="unmarked"),
     Section("model-tests", PYTEST + UNMARKED + suite_files(False), 540, _pytest_summary, SHARED_GPU,
-            expected_s=360),
+            expected_s=360, group="unmarked"),
     Section("demo", (PY, "-m", "k3jax.demo"), 240, _demo_summary, expected_s=150),
     Section("kda-prefill", (PY, "benchmarks/kda_prefill.py", "--quick", "--shapes", "0", "3", "--json", "{json}"),
             300, _kda_prefill, expected_s=240),
@@ -309,32 +316,50 @@ def run_check(planned: Sequence[Section], out: pathlib.Path, commit: str, where:
   ``budget`` (seconds): a section starts only while its expected time fits in what is left (a section that does
   not fit is passed over for the next ones), and runs at most until the budget ends; one cut there gets no verdict
   and runs again in the next call. So a run inside a device call's time limit ends before the call is cut, with
-  every finished section saved. ``resume`` keeps the sections that an earlier run of the same commit on the same
-  kind of GPU finished (passed or failed: a failure is not retried) and runs the rest. The state is saved after
-  every section."""
+  every finished section saved. Adjacent sections of one ``group`` start together when the longest expected
+  time among them fits. ``resume`` keeps the sections that an earlier run of the same commit on the same kind of
+  GPU finished (passed or failed: a failure is not retried) and runs the rest. The state is saved after every
+  section."""
   done = load_state(out, commit, where) if resume else {}
   results = [done[s.name] for s in planned if s.name in done]
   # Sections of the state that this run does not plan (``--sections``) stay in it for a later run of them all.
   others = [r for name, r in done.items() if name not in {s.name for s in planned}]
   t0 = time.perf_counter()
   text = report(results, len(planned), commit, where, out, left_out)
-  for section in planned:
-    if section.name in done:
-      continue
+  order = [s.name for s in planned]
+  for unit in _units([s for s in planned if s.name not in done]):
     left = None if budget is None else budget - (time.perf_counter() - t0)
-    if left is not None and left < section.planned_s:
-      print(f"[gpu-check] {section.name}: its expected {section.planned_s} s do not fit in the {left:.0f} s left "
-            f"of the {budget:.0f} s budget; passed over (run again with --resume)", flush=True)
+    need = max(s.planned_s for s in unit)
+    if left is not None and left < need:
+      print(f"[gpu-check] {', '.join(s.name for s in unit)}: expected {need} s, which do not fit in the {left:.0f} "
+            f"s left of the {budget:.0f} s budget; passed over (run again with --resume)", flush=True)
       continue
-    try:
-      results.append(run_section(section, out, left))
-    except BudgetSpent:
+    cut = False
+    with concurrent.futures.ThreadPoolExecutor(len(unit)) as pool:
+      for future in concurrent.futures.as_completed([pool.submit(run_section, s, out, left) for s in unit]):
+        try:
+          results.append(future.result())
+        except BudgetSpent:
+          cut = True
+          continue
+        results.sort(key=lambda r: order.index(r.name))
+        save_state(out, commit, where, results + others)
+        text = report(results, len(planned), commit, where, out, left_out)
+    if cut:
       break
-    results.sort(key=lambda r: [p.name for p in planned].index(r.name))
-    save_state(out, commit, where, results + others)
-    text = report(results, len(planned), commit, where, out, left_out)
   code = 1 if not all(r.ok for r in results) else 3 if len(results) < len(planned) else 0
   return text, code
+
+
+def _units(sections: Sequence[Section]) -> list[list[Section]]:
+  """The sections in order, adjacent ones of one ``group`` together (they run side by side)."""
+  units: list[list[Section]] = []
+  for s in sections:
+    if units and s.group is not None and units[-1][-1].group == s.group:
+      units[-1].append(s)
+    else:
+      units.append([s])
+  return units
 
 
 def default_device() -> tuple[str, str, str, str]:
