@@ -55,6 +55,22 @@ def test_kernel_and_model_tests_split_the_suite():
   assert set(kernels) <= set(sections["kernel-tests"]) and set(others) <= set(sections["model-tests"])
 
 
+def test_a_time_out_ends_the_sections_child_processes_too(tmp_path):
+  """pytest-xdist's workers are the section's grandchildren: a time-out (the section's or the budget's) ends
+  them with it, so that none holds the GPU beside the next section."""
+  pid_file = tmp_path / "grandchild.pid"
+  code = (f"import subprocess, sys, time; g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+          f"open({str(pid_file)!r}, 'w').write(str(g.pid)); time.sleep(60)")
+  res = gpu_check.run_section(gpu_check.Section("spawns", (sys.executable, "-c", code), 2, gpu_check._pytest_summary),
+                              tmp_path)
+  assert not res.ok and "timed out after 2 s" in res.summary
+  grandchild = int(pid_file.read_text())
+  deadline = time.monotonic() + 10
+  while os.path.exists(f"/proc/{grandchild}") and time.monotonic() < deadline:  # reaped by init once killed
+    time.sleep(0.1)
+  assert not os.path.exists(f"/proc/{grandchild}") or "(Z)" in pathlib.Path(f"/proc/{grandchild}/stat").read_text()
+
+
 def test_time_out_and_broken_summary_fail_the_section(tmp_path):
   slow = gpu_check.Section("slow", (sys.executable, "-c", "import time; time.sleep(30)"), 1,
                            gpu_check._pytest_summary)
@@ -248,7 +264,8 @@ def test_sections_of_one_group_run_side_by_side_and_keep_their_own_verdicts(tmp_
   t0 = time.perf_counter()
   text, code = gpu_check.run_check([group("a", 4), group("b", 4, fail=True), _counting_section("c", log)],
                                    tmp_path, "abc1234", where)
-  assert time.perf_counter() - t0 < 7.5 and code == 1  # one after the other: over 8 s and sorted(log.read_text().split()) == ["a", "b", "c"]
+  assert time.perf_counter() - t0 < 7.5  # one after the other: over 8 s
+  assert code == 1 and sorted(log.read_text().split()) == ["a", "b", "c"]
   assert "gpu-check: FAIL 2/3 sections (a ok, b FAILED, c ok)" in text
   assert [s.name for s in gpu_check._units([group("a", 0), group("b", 0), _counting_section("c", log),
                                             group("d", 0)])[0]] == ["a", "b"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ast
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -32,6 +33,7 @@ import math
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -247,6 +249,26 @@ def _now() -> str:
   return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
 
 
+def _kill_tree(pid: int) -> None:
+  """Kills ``pid`` and its descendants: pytest-xdist's workers are a section's grandchildren, and would otherwise
+  go on holding the GPU and the cores beside the next section. (Not a process group of the section's own: the
+  device call's time limit ends the call's group, and the sections must stay in it.)"""
+  children: dict[int, list[int]] = {}
+  for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+    try:  # "pid (comm) state ppid ...", comm may hold spaces and parentheses
+      ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+      continue
+    children.setdefault(ppid, []).append(int(stat.parent.name))
+  tree, stack = [], [pid]
+  while stack:
+    tree.append(stack.pop())
+    stack += children.get(tree[-1], [])
+  for p in tree:
+    with contextlib.suppress(ProcessLookupError):
+      os.kill(p, signal.SIGKILL)
+
+
 def run_section(section: Section, out: pathlib.Path, timeout_s: float | None = None) -> Result:
   """Runs one section, writing ``<out>/<name>.log``; a non-zero exit, a time-out or a summariser error fails.
 
@@ -265,11 +287,13 @@ def run_section(section: Section, out: pathlib.Path, timeout_s: float | None = N
   log_path = out / f"{section.name}.log"
   # The log is written as the section runs, so a run cut short still leaves what it printed.
   with open(log_path, "w") as log_file:
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     try:
-      code = subprocess.run(argv, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                            timeout=limit).returncode
+      code = proc.wait(timeout=limit)
       ok, why = code == 0, f"exit {code}"
     except subprocess.TimeoutExpired:
+      _kill_tree(proc.pid)
+      proc.wait()
       if limit < section.timeout_s:
         print(f"[gpu-check] {section.name}: cut at the end of the budget ({limit:.0f} s); no verdict", flush=True)
         raise BudgetSpent(section.name) from None
