@@ -94,6 +94,15 @@ def test_benchmark_summaries_quote_peer_ratios(tmp_path: pathlib.Path):
   path.write_text(json.dumps(dict(results=[dict(shape="N=8x1024 H=96", ours_ms=1.2, roofline_frac=0.2,
                                                 ratio_flashkda=0.99, ratio_flashkda_per_call=1.02)])))
   assert gpu_check._kda_prefill("", path) == "N=8x1024 H=96 1.200 ms, 20% of roofline, 0.99x FlashKDA (1.02x per call)"
+  # Our output further from a peer's than two correct bf16 kernels are fails the section (NaN too).
+  for err, ok in ((0.008, True), (0.05, False), (float("nan"), False)):
+    path.write_text(json.dumps(dict(results=[dict(shape="N=8x1024 H=96", ours_ms=1.2, roofline_frac=0.2,
+                                                  ratio_flashkda=0.99, rel_rmse_vs_flashkda=err)])))
+    if ok:
+      assert gpu_check._kda_prefill("", path).endswith("0.99x FlashKDA")
+    else:
+      with pytest.raises(ValueError, match="output against a peer's above 0.02: N=8x1024 H=96 flashkda"):
+        gpu_check._kda_prefill("", path)
   path.write_text("\n".join(json.dumps(dict(batch=32, context=32768, heads=h, cache=c, partial="float32", time_us=t,
                                             frac_copy=f, ratio_flashmla=r, vs_bf16=v, narrow=n))
                             for h, c, t, f, r, v, n in ((16, "bfloat16", 292.0, 0.98, None, None, True),

@@ -120,9 +120,22 @@ def _per_call(row: dict, peer: str) -> str:
   return f" ({row[key]:.2f}x per call)" if row.get(key) is not None else ""
 
 
-_kda_prefill = _each(lambda r: f"{r['shape']} {r['ours_ms']:.3f} ms, {r['roofline_frac']:.0%} of roofline"
-                               f"{_ratio(r, 'ratio_fla', 'FLA')}{_per_call(r, 'fla')}"
-                               f"{_ratio(r, 'ratio_flashkda', 'FlashKDA')}{_per_call(r, 'flashkda')}")
+_kda_prefill_rows = _each(lambda r: f"{r['shape']} {r['ours_ms']:.3f} ms, {r['roofline_frac']:.0%} of roofline"
+                                    f"{_ratio(r, 'ratio_fla', 'FLA')}{_per_call(r, 'fla')}"
+                                    f"{_ratio(r, 'ratio_flashkda', 'FlashKDA')}{_per_call(r, 'flashkda')}")
+# Our output against each peer's that ran (``rel_rmse_vs_<peer>``, bf16 inputs): what bf16 rounding leaves between
+# two correct kernels. Like the MLA gate below, a check at XLA's default flags, which the tests do not run at.
+KDA_PREFILL_REL_RMSE_MAX = 2e-2
+
+
+def _kda_prefill(log: str, path: pathlib.Path) -> str:
+  """Each shape's time, roofline fraction and peer ratios; raises where our output strays from a peer's beyond
+  ``KDA_PREFILL_REL_RMSE_MAX``."""
+  bad = [f"{r['shape']} {k.removeprefix('rel_rmse_vs_')} {v:.1e}" for r in _rows(path) for k, v in r.items()
+         if k.startswith("rel_rmse_vs_") and not v <= KDA_PREFILL_REL_RMSE_MAX]
+  if bad:
+    raise ValueError(f"output against a peer's above {KDA_PREFILL_REL_RMSE_MAX}: {', '.join(bad)}")
+  return _kda_prefill_rows(log, path)
 _kda_decode = _each(lambda r: f"N={r['N']} H={r['H']} {r['state']} {r['ours_us']:.1f} us, "
                               f"{r['copy_frac']:.0%} of copy{_ratio(r, 'vs_fla', 'FLA')}")
 _short_conv = _each(lambda r: f"{r['phase']} N={r['N']} H={r['H']} {r['conv_us']:.1f} us, "
