@@ -9,7 +9,7 @@ fixed per test: a small one on the CPU (CI runs the kernels in interpret mode, w
 on a Hopper GPU (``make gpu-check``). ``K3JAX_EXAMPLES`` multiplies both (e.g. ``K3JAX_EXAMPLES=4`` for a
 longer hunt). CPU runs are derandomized, so CI draws the same examples every time; GPU runs draw new ones.
 ``SEEDS``, ``decode_batches`` and ``decode_slots`` are the strategies and slot layouts the randomized decode
-tests of several kernels share.
+tests of several kernels share. ``users_xla_env``: a child process's environment with the XLA flags users run with.
 """
 
 import functools
@@ -133,3 +133,11 @@ def fast_jit(fn):
     return cache[key](*args)
 
   return wrapped
+
+
+def users_xla_env(**extra: str) -> dict[str, str]:
+  """This process's environment with XLA's flags as users run them: without the excess-precision setting that
+  conftest adds (XLA may then drop a rounding the code relies on, as it once did q's e4m3 split), for a child
+  process. ``extra`` is added."""
+  flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "excess_precision" not in f)
+  return dict(os.environ, XLA_FLAGS=flags, **extra)

@@ -8,7 +8,6 @@ error is e4m3's own (3 mantissa bits: about 2.6-2.8% rms per element), bounded b
 """
 
 import functools
-import os
 import pathlib
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 
 from layer_oracles import tiny
+from support import users_xla_env
 from test_mla_kernel import _poisoned_inputs
 from test_model import T, Runner, tokens_for
 
@@ -132,8 +132,7 @@ print(jax.devices()[0].platform, float((err / bound).max()))
 def test_q_split_keeps_its_bound_under_jit_at_xlas_default_flags():
   """``test_q_in_two_e4m3_parts``'s bound for the split compiled whole (as ``mla_decode`` runs it) with the flags
   users run with: a GPU compiler that folded q_hi's rounding away would leave q about e4m3's 3 bits."""
-  flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "excess_precision" not in f)
-  proc = subprocess.run([sys.executable, "-c", _SPLIT_AT_DEFAULT_FLAGS], env=dict(os.environ, XLA_FLAGS=flags),
+  proc = subprocess.run([sys.executable, "-c", _SPLIT_AT_DEFAULT_FLAGS], env=users_xla_env(),
                         cwd=pathlib.Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   platform, worst = proc.stdout.split()[-2:]

@@ -17,6 +17,7 @@ import sys
 import jax
 import pytest
 
+from support import users_xla_env
 from tools import sm90_compile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -136,8 +137,7 @@ def test_q_split_keeps_the_e4m3_rounding_through_xlas_gpu_compiler_at_its_defaul
   remainder; the optimized HLO must still widen an e4m3 value back to f32."""
   if not (AOT / "jax_plugins").is_dir():
     pytest.fail(f"the CUDA plugin is not installed in {AOT}: run `make aot` (make test does)")
-  flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "excess_precision" not in f)
-  env = dict(os.environ, PYTHONPATH=f"{AOT}{os.pathsep}{ROOT}", JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+  env = users_xla_env(PYTHONPATH=f"{AOT}{os.pathsep}{ROOT}", JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-c", _SPLIT_HLO], cwd=ROOT, env=env, capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
