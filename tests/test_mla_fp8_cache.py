@@ -93,6 +93,25 @@ def test_e4m3_pairs_become_f16_exactly():
     np.testing.assert_array_equal(np.abs(got[nan]), 480 * mla_kernel.F16_UNIT)
 
 
+def test_e4m3_pairs_in_32_bit_registers_match_the_16_bit_form():
+  """The GPU converts a register of two uint16 words at once (``e4m3_pair_to_f16_registers``: the formula on the
+  32-bit register, its masks in both halves): the same bits as the 16-bit form for every word in either half,
+  whatever the other half holds (a carry or a shift across the halves would show)."""
+  rng = np.random.default_rng(7)
+  words = np.arange(2 ** 16, dtype=np.uint32)
+  other = rng.integers(0, 2 ** 16, words.shape, dtype=np.uint32)
+  sign, body = mla_kernel.F16_SIGN * 0x10001, mla_kernel.F16_BODY * 0x10001
+  for low16, high16 in ((words, other), (other, words)):
+    reg = low16 | (high16 << np.uint32(16))
+    even = mla_kernel.high_bytes_to_f16(reg << np.uint32(8), sign, body)
+    odd = mla_kernel.high_bytes_to_f16(reg, sign, body)
+    for half, word in ((0, low16), (16, high16)):
+      want_even, want_odd = (np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint16)).astype(np.uint32)
+                             for x in mla_kernel.e4m3_pair_to_f16(jnp.asarray(word, jnp.uint16)))
+      np.testing.assert_array_equal((even >> np.uint32(half)) & np.uint32(0xFFFF), want_even)
+      np.testing.assert_array_equal((odd >> np.uint32(half)) & np.uint32(0xFFFF), want_odd)
+
+
 def test_q_in_two_e4m3_parts():
   """``split_e4m3``: each element within ``2^-8 |q| + 2^-14 s_q`` (the bound ``split_q_logit_bound`` uses) over
   six decades of magnitude; an all-zero row is exact with ``s_q = 1``; a NaN or inf row gives a non-finite

@@ -18,7 +18,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import arith
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -102,18 +107,76 @@ def split_e4m3(q: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.concatenate([hi, lo], axis=1), s_q[..., 0]
 
 
+# f16's sign bit, and its bits 13..7 where a byte's 4 exponent and 3 mantissa bits go
+F16_SIGN, F16_BODY = 0x8000, 0x3F80
+
+
+def high_bytes_to_f16(z, sign, body):
+  """The high byte of each 16-bit half of ``z`` (``s eeee mmm``) as the f16 bits of its e4m3 value times
+  ``F16_UNIT`` (2^-8), exactly: the sign stays at bit 15 and the other 7 bits move to f16's bits 13..7, which is
+  ``2^(e - 15) (1 + m / 8)`` for e > 0 and ``2^-14 m / 8`` for e = 0, against e4m3's ``2^(e - 7) ...`` and
+  ``2^-6 m / 8``. ``sign`` and ``body`` are ``F16_SIGN`` and ``F16_BODY`` in every 16-bit half of z's type; z
+  takes ``&``, ``|`` and ``>>`` (a uint16 or uint32 array, or ``_Word``). e4m3's NaN byte becomes 480 (times
+  2^-8): a cache row written with a NaN has a NaN scale, which makes that token's logits and P NaN, and a NaN byte
+  in a row past the sequence meets P = 0 as a finite value."""
+  return (z & sign) | ((z >> 1) & body)
+
+
 def e4m3_pair_to_f16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """uint16 words of two e4m3 bytes each as two f16 arrays of the same shape: the low bytes' and the high bytes'
-  values, each times ``F16_UNIT`` (2^-8), exactly. The byte ``s eeee mmm`` moved to f16's sign, the low four bits
-  of its exponent and the top of its mantissa is ``2^(e - 15) (1 + m / 8)`` for e > 0 and ``2^-14 m / 8`` for
-  e = 0, against e4m3's ``2^(e - 7) ...`` and ``2^-6 m / 8``. e4m3's NaN byte becomes 480 (times 2^-8): a cache
-  row written with a NaN has a NaN scale, which makes that token's logits and P NaN, and a NaN byte in a row past
-  the sequence meets P = 0 as a finite value."""
-  sign = jnp.uint16(0x8000)
-  body = jnp.uint16(0x3F80)  # the 4 exponent and 3 mantissa bits in f16's bits 13..7
-  low = ((x << jnp.uint16(8)) & sign) | ((x << jnp.uint16(7)) & body)
-  high = (x & sign) | ((x >> jnp.uint16(1)) & body)
+  values, each times ``F16_UNIT`` (``high_bytes_to_f16``). Interpret mode's form; the GPU takes
+  ``e4m3_pair_to_f16_registers``, the same bits from fewer instructions."""
+  sign, body = jnp.uint16(F16_SIGN), jnp.uint16(F16_BODY)
+  low = high_bytes_to_f16(x << jnp.uint16(8), sign, body)
+  high = high_bytes_to_f16(x, sign, body)
   return lax.bitcast_convert_type(low, jnp.float16), lax.bitcast_convert_type(high, jnp.float16)
+
+
+class _Word:
+  """A 32-bit MLIR integer with the operators ``high_bytes_to_f16`` uses (shifts and masks by constants)."""
+
+  def __init__(self, value):
+    self.value = value
+
+  def _const(self, n: int):
+    return mgpu_utils.c(n, self.value.type)
+
+  def __lshift__(self, n: int) -> "_Word":
+    return _Word(arith.shli(self.value, self._const(n)))
+
+  def __rshift__(self, n: int) -> "_Word":
+    return _Word(arith.shrui(self.value, self._const(n)))
+
+  def __and__(self, mask: int) -> "_Word":
+    return _Word(arith.andi(self.value, self._const(mask)))
+
+  def __or__(self, other: "_Word") -> "_Word":
+    return _Word(arith.ori(self.value, other.value))
+
+
+def e4m3_pair_to_f16_registers(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``e4m3_pair_to_f16`` of a WGMMA-layout uint16 array, on the GPU: each register holds two uint16 words, and
+  the formula runs on the whole 32-bit register. On a uint16 array Pallas lowers the shifts one 16-bit word at a
+  time, with the words unpacked and packed around them; here each shift and mask acts on both words at once."""
+  layout = plgpu.Layout.WGMMA
+  out = plgpu.ShapeDtypeStruct(x.shape, jnp.float16, layout=layout)
+
+  @plgpu.inline_mgpu(arg_types=(layout,), return_type=(out, out))
+  def convert(_, words):
+    i32 = ir.IntegerType.get_signless(32)
+    sign, body = F16_SIGN * 0x10001, F16_BODY * 0x10001  # in both halves of the register
+    result = []
+    for shift in (8, 0):  # the low bytes moved up to the high ones, then the high bytes as they are
+      regs = np.empty_like(words.registers)
+      for idx, reg in np.ndenumerate(words.registers):
+        shape = ir.VectorType(reg.type).shape
+        word = _Word(mgpu_utils.bitcast(reg, i32))
+        f16 = high_bytes_to_f16(word << shift if shift else word, sign, body)
+        regs[idx] = mgpu_utils.bitcast(f16.value, ir.VectorType.get(shape, ir.F16Type.get()))
+      result.append(mgpu.FragmentedArray(_registers=regs, _layout=words.layout, _is_signed=None))
+    return tuple(result)
+
+  return convert(x)
 
 
 def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: int, scale: float,
@@ -200,7 +263,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     phases.start(f"wg{w}_v_convert")
     acc = tuple(a * along_heads(alpha, a.shape) for a in acc)
     pairs = plgpu.load(kv16_smem.at[slot, :, pl.ds(w * (COLS // 2), COLS // 2)].T, layout=plgpu.Layout.WGMMA)
-    operands = e4m3_pair_to_f16(pairs)
+    operands = (e4m3_pair_to_f16 if a_smem else e4m3_pair_to_f16_registers)(pairs)
     if a_smem:  # interpret mode takes the products' operands from SMEM only
       for k, x in enumerate(operands):
         a_smem[0].at[w, k][...] = x
