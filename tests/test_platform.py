@@ -17,6 +17,13 @@ def test_nine_cpu_devices():
     assert len(jax.devices()) == 9
 
 
+@pytest.mark.skipif("PYTEST_XDIST_WORKER" not in os.environ, reason="runs in a pytest-xdist worker only")
+def test_xdist_workers_share_the_gpu_memory():
+  # conftest: without these, the first worker to allocate on a GPU takes 75% of its memory and the others fail
+  assert os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE") == "false"
+  assert os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform"
+
+
 def test_default_impl_decided_in_one_place():
   expected = "pallas" if util.is_hopper_gpu() else "xla"
   assert util.default_impl() == expected
