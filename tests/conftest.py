@@ -10,10 +10,11 @@ import tempfile
 # blocks in barrier waits on that pool, and with 2 cores the narrow MLA kernel's memory warpgroup (which
 # converts an fp8 cache) could not get a thread while both compute warpgroups waited for it.
 os.environ.setdefault("NPROC", "8")
-# pytest-xdist workers are separate JAX processes sharing one GPU: by default the first to allocate takes 75% of
-# its memory and the next workers' allocations fail. Each worker takes only what its running test needs and
-# gives back what the test freed (the platform allocator), as `make gpu-check` sets for its test sections. No
-# effect on CPUs.
+# pytest-xdist workers are separate JAX processes sharing one GPU (`make gpu-check` runs 14): by default the first
+# to allocate takes 75% of its memory and the next workers' allocations fail. Each worker takes only what its
+# running test needs and gives back what the test freed (the platform allocator: JAX's own pool would keep each
+# worker's largest test's memory to the end of the run, and the real-size tests of other workers then ran out of
+# memory). No effect on CPUs.
 if "PYTEST_XDIST_WORKER" in os.environ:
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")

@@ -46,17 +46,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 class Section:
   """One check: ``argv`` (``{json}`` is replaced by its JSON path), a time limit and a summariser.
 
-  ``summary(log, json_path)`` returns the key numbers as text (raise to mark the section failed). ``env``
-  is added to the environment. ``expected_s`` (default: the time limit) is what ``--budget`` plans with: the
-  limits leave room for a slow machine, so packing calls by them would leave most of each call unused. Adjacent
-  sections of one ``group`` run side by side (their expected times are those of that run).
+  ``summary(log, json_path)`` returns the key numbers as text (raise to mark the section failed).
+  ``expected_s`` (default: the time limit) is what ``--budget`` plans with: the limits leave room for a slow
+  machine, so packing calls by them would leave most of each call unused. Adjacent sections of one ``group`` run
+  side by side (their expected times are those of that run).
   """
 
   name: str
   argv: tuple[str, ...]
   timeout_s: int
   summary: Callable[[str, pathlib.Path], str]
-  env: tuple[tuple[str, str], ...] = ()
   expected_s: int | None = None
   group: str | None = None
 
@@ -197,13 +196,10 @@ def _sharded_block(_: str, path: pathlib.Path) -> str:
 PY = sys.executable
 # The test sections are bound by kernel compiles on the host's cores, and run two at a time side by side (a
 # section's last minutes run a few long tests on a few workers; the other section's workers take the idle cores).
-# pytest-xdist workers share the GPU, each allocating on demand (JAX would otherwise take 75% of the GPU's memory
-# per process) and giving back what a test freed (the platform allocator: JAX's own pool would keep each
-# worker's largest test's memory to the end of the run, and the real-size tests of other workers then ran out of
-# memory). The benchmarks run alone, one process at a time. Each test's verdict is logged as it ends (-v), so
-# that a section cut short by its time limit still names its failures; -rf repeats them with their reasons.
+# pytest-xdist workers share the GPU (tests/conftest.py has each allocate on demand). The benchmarks run alone,
+# one process at a time. Each test's verdict is logged as it ends (-v), so that a section cut short by its time
+# limit still names its failures; -rf repeats them with their reasons.
 PYTEST = (PY, "-m", "pytest", "-v", "-rf", "-p", "no:cacheprovider", "-n", "14")
-SHARED_GPU = (("XLA_PYTHON_CLIENT_PREALLOCATE", "false"), ("XLA_PYTHON_CLIENT_ALLOCATOR", "platform"))
 # Each section's expected_s is its time on an H100 or H200 as measured (side by side for the test sections),
 # rounded up: what --budget packs calls with; its limit is the verdict's, with room for a slower machine.
 # The suite outside the gpu-marked and randomized tests is split into the kernel packages' test files and the
@@ -219,12 +215,12 @@ def suite_files(kernels: bool) -> tuple[str, ...]:
 
 UNMARKED = ("-m", "not gpu", "-k", "not randomized")
 SECTIONS = (
-    Section("gpu-tests", PYTEST + ("-m", "gpu"), 420, _pytest_summary, SHARED_GPU, expected_s=300, group="marked"),
-    Section("randomized", PYTEST + ("-k", "randomized", "tests"), 420, _pytest_summary, SHARED_GPU, expected_s=300,
+    Section("gpu-tests", PYTEST + ("-m", "gpu"), 420, _pytest_summary, expected_s=300, group="marked"),
+    Section("randomized", PYTEST + ("-k", "randomized", "tests"), 420, _pytest_summary, expected_s=300,
             group="marked"),
-    Section("kernel-tests", PYTEST + UNMARKED + suite_files(True), 540, _pytest_summary, SHARED_GPU, expected_s=360,
+    Section("kernel-tests", PYTEST + UNMARKED + suite_files(True), 540, _pytest_summary, expected_s=360,
             group="unmarked"),
-    Section("model-tests", PYTEST + UNMARKED + suite_files(False), 540, _pytest_summary, SHARED_GPU,
+    Section("model-tests", PYTEST + UNMARKED + suite_files(False), 540, _pytest_summary,
             expected_s=360, group="unmarked"),
     Section("demo", (PY, "-m", "k3jax.demo"), 240, _demo_summary, expected_s=150),
     Section("kda-prefill", (PY, "benchmarks/kda_prefill.py", "--quick", "--shapes", "0", "3", "--json", "{json}"),
@@ -292,7 +288,7 @@ def run_section(section: Section, out: pathlib.Path, timeout_s: float | None = N
   argv = [a.replace("{json}", str(json_path)) for a in section.argv]
   # The repository first; a PYTHONPATH already set (carried wheels such as FLA) stays behind it.
   path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-  env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", K3JAX_FAILURE_LOG=str(failures), **dict(section.env))
+  env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", K3JAX_FAILURE_LOG=str(failures))
   t0 = time.perf_counter()
   print(f"[gpu-check] {section.name}: {' '.join(argv)}", flush=True)
   log_path = out / f"{section.name}.log"
