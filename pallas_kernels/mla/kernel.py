@@ -71,6 +71,9 @@ CONVERT_LAYOUT = plgpu.Layout.WGMMA_UPCAST_2X
 # a remainder of at most 448 / 16, so q_lo = e4m3(remainder * 16) stays in range and the pair carries about 8 bits
 # of each element, near bf16's.
 REG_STAGES = 4
+# ``registers``: the leader runs QK and the softmax only and the follower all of ``P @ V``, so that the two run side by
+# side; P and alpha go through HANDOFFS buffers, so the leader's next page need not wait for the follower's products.
+HANDOFFS = 2
 Q_LO_FACTOR = 16.0
 # An e4m3 wgmma does not keep an f32 running sum: each product is added at the sum's exponent to about 14 bits,
 # the low bits truncated (DeepSeek-V3's report; that model reproduces a peaky logit's error on the GPU), so the
@@ -189,7 +192,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
   if registers:
     (words_ref, kv16_ref, qs_ref, table_ref, lens_ref, total_ref, o_ref, lse_ref, q_smem, ring, p_smem, row_smem,
      lse_smem, q_bar, kv_bar, consumed_bar, p_ready_bar, p_free_bar, piece_scales, scale_bar, ring_scales, qs_smem,
-     *a_smem) = refs
+     inv_smem, fin_bar, *a_smem) = refs
     kv_smem, kv16_smem, o_stage = ring
   elif dequant:
     (words_ref, table_ref, lens_ref, total_ref, o_ref, lse_ref, q_smem, ring, row_smem, lse_smem, q_bar, kv_bar,
@@ -256,11 +259,11 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     return util.accumulate(pv, acc, from_inits=not smem_operands)[0]
 
   def accumulate_fp8(acc, alpha, slot, w, p_ref, phases):
-    """``registers``: ``acc * alpha + V^T @ P^T`` over warpgroup w's latent columns, V^T straight from the fp8
+    """``registers``: ``acc * alpha + V^T @ P^T`` over half w of the latent columns, V^T straight from the fp8
     slot: a transposed load of its uint16 pairs (two tokens' pairs per register) gives the f16 operands of the
     even and the odd columns (``e4m3_pair_to_f16``), so ``acc`` is a pair, those columns' ``[COLS / 2, rows]``
     accumulators. The profiler sees the conversion and the products as two phases."""
-    phases.start(f"wg{w}_v_convert")
+    phases.start(f"wg1_v{w}_convert")
     acc = tuple(a * along_heads(alpha, a.shape) for a in acc)
     pairs = plgpu.load(kv16_smem.at[slot, :, pl.ds(w * (COLS // 2), COLS // 2)].T, layout=plgpu.Layout.WGMMA)
     operands = (e4m3_pair_to_f16 if a_smem else e4m3_pair_to_f16_registers)(pairs)
@@ -269,13 +272,21 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
         a_smem[0].at[w, k][...] = x
       plgpu.commit_smem()
       operands = tuple(a_smem[0].at[w, k] for k in range(len(operands)))
-    phases.start(f"wg{w}_pv")
+    phases.start(f"wg1_v{w}_pv")
 
     def pv(*acc_refs):
       for acc_ref, a in zip(acc_refs, operands):
         plgpu.wgmma(acc_ref, a, p_ref.T)
 
     return util.accumulate(pv, *acc, from_inits=not smem_operands)
+
+  def handoff(i):
+    """Page i's P buffer, its alpha vector and their two barriers (P ready, P free). ``registers``: two of each,
+    alternating, as the follower runs all of ``P @ V`` up to a page behind the leader's QK."""
+    if registers:
+      k = lax.rem(i, HANDOFFS)
+      return p_smem.at[k], row_smem.at[k], p_ready_bar.at[k], p_free_bar.at[k]
+    return p_tile(i), row_smem, p_ready_bar, p_free_bar
 
   def release(i, slot):
     """Hands ring slot ``slot`` back to the memory warpgroup after page ``i``, if that slot is loaded again.
@@ -428,12 +439,12 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       l = l * alpha + p.sum(axis=token_axis)
 
       phases.start("wg0_p_handoff")
+      p_ref, alpha_ref, p_ready, p_free = handoff(i)
 
-      @pl.when(i > 0)
+      @pl.when(i >= (HANDOFFS if registers else 1))
       def _():
-        plgpu.barrier_wait(p_free_bar)  # warpgroup 1 is done with the previous page's P and alpha
+        plgpu.barrier_wait(p_free)  # warpgroup 1 is done with the P and alpha that these buffers held
 
-      p_ref = p_tile(i)
       if scaled:
         # The latent scales enter P @ V through P, relative to the page's largest (so P stays in [0, 1], clear of
         # f16's subnormals); the accumulator is kept in units of the current page's largest scale, hence alpha's
@@ -443,21 +454,21 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
         alpha = alpha * (v_scale / page_scale)
         v_scale = page_scale
       (p_ref.T if narrow else p_ref)[...] = p.astype(p_ref.dtype)
-      row_smem[...] = alpha
+      alpha_ref[...] = alpha
       if not fp8:
         zero_v_tail(tile, cols, page_start)
       plgpu.commit_smem()
-      plgpu.barrier_arrive(p_ready_bar)
-      phases.start("wg0_pv")
-      if registers:
-        acc = accumulate_fp8(acc, alpha, slot, 0, p_ref, phases)
+      plgpu.barrier_arrive(p_ready)
+      if registers:  # QK has read the slot; the follower runs all of P @ V
+        release(i, slot)
       else:
+        phases.start("wg0_pv")
         acc = accumulate(acc, alpha, tile, cols, p_ref)
-      done(i)
+        done(i)
       phases.end()
       return (acc, m_new, l, v_scale) if scaled else (acc, m_new, l)
 
-    acc = zero_acc()
+    acc = None if registers else zero_acc()
     m = plgpu.layout_cast(jnp.full((rows,), INIT_MAX, jnp.float32), head_layout)
     l = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), head_layout)
     if scaled:  # the accumulator's unit (see page_step)
@@ -466,9 +477,10 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     else:
       acc, m, l = lax.fori_loop(0, num_pages, page_step, (acc, m, l))
 
-    @pl.when(num_pages > 0)
-    def _():
-      plgpu.barrier_wait(p_free_bar)  # warpgroup 1 is done with the ring: the staging may overwrite it
+    if not registers:
+      @pl.when(num_pages > 0)
+      def _():
+        plgpu.barrier_wait(p_free_bar)  # warpgroup 1 is done with the ring: the staging may overwrite it
 
     # l = 0 is an empty split (no page, and acc = 0): (0, -inf). With tokens, l is NaN after a NaN or inf
     # in q or a token's row (exp2 of NaN or of inf - inf), or 0 if every logit was -inf (an infinite input
@@ -478,16 +490,17 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     inv_l = jnp.where(empty, 0.0, 1.0 / l)
     if scaled:  # registers: V's f16 operands are its values times F16_UNIT
       inv_l = inv_l * (v_scale / F16_UNIT if registers else v_scale)
-    row_smem[...] = inv_l
+    (inv_smem if registers else row_smem)[...] = inv_l
     lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l)) * LN2)
     plgpu.commit_smem()
-    plgpu.barrier_arrive(p_ready_bar)
+    plgpu.barrier_arrive(fin_bar if registers else p_ready_bar)
     store_rows(lambda n: plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, n)], lse_ref.at[split, b, pl.ds(row0, n)]))
-    epilogue(0, acc, inv_l)
+    if not registers:
+      epilogue(0, acc, inv_l)
     util.finish_stores()
 
   def follower():
-    """Warpgroup 1: the other half of ``P @ V`` with the leader's P and alpha."""
+    """Warpgroup 1: the other half of ``P @ V`` with the leader's P and alpha (``registers``: all of it)."""
     if not (smem_operands or convert):  # the converting memory warpgroup keeps its registers
       plgpu.set_max_registers(232, action="increase")
     cols = pl.ds(COLS, COLS)
@@ -505,15 +518,19 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       if registers:
         phases.start("wg1_scales")
         pl.when(i + 1 < num_pages)(lambda: scales_ahead(i + 1))
+      p_ref, alpha_ref, p_ready, p_free = handoff(i)
       phases.start("wg1_p_wait")
-      plgpu.barrier_wait(p_ready_bar)
+      plgpu.barrier_wait(p_ready)
       phases.start("wg1_pv")
-      alpha = plgpu.load(row_smem, layout=head_layout)
+      alpha = plgpu.load(alpha_ref, layout=head_layout)
       if registers:
-        acc = accumulate_fp8(acc, alpha, lax.rem(i, stages), 1, p_tile(i), phases)
+        acc = tuple(accumulate_fp8(a, alpha, lax.rem(i, stages), w, p_ref, phases) for w, a in enumerate(acc))
       else:
-        acc = accumulate(acc, alpha, tile, cols, p_tile(i))
-      plgpu.barrier_arrive(p_free_bar)
+        acc = accumulate(acc, alpha, tile, cols, p_ref)
+      if registers:  # only where the leader awaits it (every phase is observed: see ``release``)
+        pl.when(i + HANDOFFS < num_pages)(lambda: plgpu.barrier_arrive(p_free))
+      else:  # the leader awaits every page's, the last one's after its loop
+        plgpu.barrier_arrive(p_free)
       done(i)
       phases.end()
       return acc
@@ -522,9 +539,11 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       pl.when(num_pages > 0)(lambda: convert_last_piece(0))
     if registers:
       pl.when(num_pages > 0)(lambda: scales_ahead(0))
-    acc = lax.fori_loop(0, num_pages, page_step, zero_acc())
-    plgpu.barrier_wait(p_ready_bar)  # the leader's 1 / l, and the leader is done with the ring
-    epilogue(1, acc, plgpu.load(row_smem, layout=head_layout))
+    acc = lax.fori_loop(0, num_pages, page_step, (zero_acc(), zero_acc()) if registers else zero_acc())
+    plgpu.barrier_wait(fin_bar if registers else p_ready_bar)  # the leader's 1 / l; it is done with the ring
+    inv_l = plgpu.load(inv_smem if registers else row_smem, layout=head_layout)
+    for w, a in enumerate(acc) if registers else [(1, acc)]:
+      epilogue(w, a, inv_l)
     util.finish_stores()
 
   def staging_slot(i, p):
@@ -693,7 +712,8 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, budg
   tile = lambda shape, dtype: plgpu.SMEM(shape, dtype, transforms=util.smem_transforms(dtype, shape[-1]))
   o_stage = tile((COMPUTE_WGS,) + ((COLS, rows) if narrow else (rows, COLS)), partial_dtype)
   inputs, extra, stages, q_bar = (q_pad, kv_cache), (), STAGES, plgpu.Barrier()
-  p_smem = (tile((rows, PAGE_SIZE), tile_dtype),)
+  handoffs = (HANDOFFS,) if registers else ()  # P, alpha and their barriers: one set each, registers: HANDOFFS
+  p_smem = (tile(handoffs + (rows, PAGE_SIZE), tile_dtype),)
   if fp8:
     # The same bytes as f32 words (a bitcast, no copy): the memory warpgroup loads the scales from there.
     words = lax.bitcast_convert_type(kv_cache.reshape(kv_cache.shape[:2] + (ROW_WORDS, 4)), jnp.float32)
@@ -720,8 +740,10 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, budg
     ring = views if interpret else plgpu.RefUnion(*views)
     q_bar = plgpu.Barrier(num_arrivals=2)
     kv_bar = plgpu.Barrier(num_arrivals=3 if interpret else 2, num_barriers=stages)
+    # The page scale words, their barriers, the scale vectors, s_q, and the leader's 1 / l for the follower.
     extra = (plgpu.SMEM((stages, PAGE_SIZE, SCALE_WORDS), jnp.float32), plgpu.Barrier(num_barriers=stages),
-             plgpu.SMEM((stages, 5, PAGE_SIZE), jnp.float32), plgpu.SMEM((rows,), jnp.float32))
+             plgpu.SMEM((stages, 5, PAGE_SIZE), jnp.float32), plgpu.SMEM((rows,), jnp.float32),
+             plgpu.SMEM((rows,), jnp.float32), plgpu.Barrier())
     if interpret:
       extra += (tile((COMPUTE_WGS, 2, COLS // 2, PAGE_SIZE), jnp.float16),)
   elif fp8 and narrow:
@@ -767,13 +789,13 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, budg
           tile(inputs[0].shape[1:], inputs[0].dtype) if registers else tile((rows, dim), q_pad.dtype),
           ring,
           *p_smem,
-          plgpu.SMEM((rows,), jnp.float32),
+          plgpu.SMEM(handoffs + (rows,), jnp.float32),
           plgpu.SMEM((rows,), jnp.float32),
           q_bar,
           kv_bar,
           plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-          plgpu.Barrier(),
-          plgpu.Barrier(),
+          plgpu.Barrier(num_barriers=HANDOFFS if registers else 1),
+          plgpu.Barrier(num_barriers=HANDOFFS if registers else 1),
       ) + extra,
       # Wide: the row reductions stay inside a warp, and SMEM has no room for scratch. Narrow: the reductions
       # over the tokens (the rows of S^T) cross the warps, through the default scratch. No warpgroup barrier
