@@ -8,9 +8,10 @@ tiles the compute warpgroups dequantise each page into one bf16 tile; in the nar
 (and for each page's last piece the follower) converts it to f16 unscaled into the ring (e4m3 -> f16 is exact
 and one instruction per two values), q is taken in f16 (a q beyond f16's 65,504 gives inf, so NaN outputs), and
 the leader applies the per-token scales to the logits and to P. Opt-in (``registers``), the narrow kernel keeps
-the fp8 page as it lands: QK runs on its e4m3 values (q split into two e4m3 parts), and each compute warpgroup
-converts its V columns to f16 in registers for ``P @ V``, so no f16 copy of the page is written or read. See
-README.md for the derivation, the NaN rules, the fp8 pages and the SMEM budget.
+the fp8 page as it lands: the leader runs QK on its e4m3 values (q split into two e4m3 parts) and the softmax,
+and the follower converts V to f16 in registers and runs all of ``P @ V`` beside the leader's next page, so no f16
+copy of the page is written or read. See README.md for the derivation, the NaN rules, the fp8 pages and the
+SMEM budget.
 """
 
 import functools
