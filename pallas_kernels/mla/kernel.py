@@ -437,7 +437,10 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       m_new = jnp.maximum(m, s.max(axis=token_axis))
       alpha = jnp.exp2(m - m_new)
       p = jnp.exp2(s - along_heads(m_new, s.shape))
-      l = l * alpha + p.sum(axis=token_axis)
+      if registers:  # l as a tile, summed over the tokens (across the warps) once, after the last page
+        l = l * along_heads(alpha, shape) + p
+      else:
+        l = l * alpha + p.sum(axis=token_axis)
 
       phases.start("wg0_p_handoff")
       p_ref, alpha_ref, p_ready, p_free = handoff(i)
@@ -471,7 +474,8 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
 
     acc = None if registers else zero_acc()
     m = plgpu.layout_cast(jnp.full((rows,), INIT_MAX, jnp.float32), head_layout)
-    l = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), head_layout)
+    l_shape = (PAGE_SIZE, rows) if registers else (rows,)
+    l = plgpu.layout_cast(jnp.zeros(l_shape, jnp.float32), plgpu.Layout.WGMMA if registers else head_layout)
     if scaled:  # the accumulator's unit (see page_step)
       ones = plgpu.layout_cast(jnp.ones((rows,), jnp.float32), head_layout)
       acc, m, l, v_scale = lax.fori_loop(0, num_pages, page_step, (acc, m, l, ones))
@@ -483,6 +487,8 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       def _():
         plgpu.barrier_wait(p_free_bar)  # warpgroup 1 is done with the ring: the staging may overwrite it
 
+    if registers:
+      l = l.sum(axis=token_axis)
     # l = 0 is an empty split (no page, and acc = 0): (0, -inf). With tokens, l is NaN after a NaN or inf
     # in q or a token's row (exp2 of NaN or of inf - inf), or 0 if every logit was -inf (an infinite input
     # too): both give NaN, never the (0, -inf) that merge_partials drops as an empty split.
