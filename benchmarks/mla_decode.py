@@ -50,6 +50,12 @@ form); at 96-128 heads both kernels keep the tensor cores busy and may run at th
 1.98 GHz boost clock, so a time per call is only comparable with one taken at a similar clock. The JSON rows
 also hold the power (W), the clock-event reasons and ``kernel_us``, the Mosaic kernel's own device time (CUPTI).
 
+``--resident-pages N`` draws every page id from the first N pages of the cache (a working set that fits the
+L2 cache, 50 MB on an H100: about 256 pages), so HBM no longer binds and the time is what the kernel's own work
+per page takes. An H200's HBM is about 1.4x an H100's at the same SM count and clocks, so on an H100 this shows
+the bound that the compute sets on an H200, which bandwidth alone does not. ``TB/s`` then counts the bytes that
+the kernel reads from L2, not from HBM.
+
 The full grid (54 kernel configurations, each compiled once) takes about five minutes on the H200; pass
 ``--batch/--context/--heads`` subsets to split it over several calls.
 """
@@ -275,6 +281,8 @@ def main() -> None:
   parser.add_argument("--fp8-paths", nargs="+", choices=("ring", "registers"), default=["ring"],
                       help="how the narrow kernel reads an fp8 page: converted into an f16 ring (the default) or "
                            "kept fp8 with V converted in registers (`MlaDecodeTuning.fp8_in_registers`)")
+  parser.add_argument("--resident-pages", type=int, default=None,
+                      help="page ids drawn from the first N pages only, an L2-resident working set (module doc)")
   parser.add_argument("--wide", action="store_true",
                       help="the 64-row head tiles everywhere (the default tuning takes the narrow, transposed "
                            "kernel where it applies: a bf16 cache and Hq <= 32)")
@@ -287,6 +295,8 @@ def main() -> None:
   print(f"copy bandwidth {copy_tbs:.2f} TB/s (read + write, {args.copy_gib:g} GiB jnp.copy); "
         f"read-only reduction {read_tbs:.2f} TB/s", flush=True)
 
+  if args.resident_pages is not None and args.resident_pages < 1:
+    parser.error(f"--resident-pages must be >= 1, got {args.resident_pages}")
   num_pages = max(args.batch) * max(args.context) // PAGE_SIZE
   kq, kc, kp = jax.random.split(jax.random.key(0), 3)
   caches = {name: make_cache(jnp.dtype(name), kc, num_pages) for name in args.cache_dtypes}
@@ -295,6 +305,9 @@ def main() -> None:
   if "float8_e4m3fn" in caches:
     variants += [(f"fp8 {path}", caches["float8_e4m3fn"], path) for path in args.fp8_paths]
   order = jax.random.permutation(kp, num_pages).astype(jnp.int32)
+  if args.resident_pages:
+    order = order % args.resident_pages
+    print(f"page ids from the first {args.resident_pages} pages only (--resident-pages): L2-resident", flush=True)
   print("caches of " + ", ".join(f"{num_pages} pages of {name} ({c.nbytes / 2**30:.1f} GiB)" for name, c in
                                  caches.items()) + "\n", flush=True)
   if args.wide:
@@ -352,6 +365,7 @@ def main() -> None:
       row = dict(batch=batch, context=context, heads=heads, cache=jnp.dtype(cache.dtype).name, fp8_path=fp8_path,
                  partial=jnp.dtype(partial).name,
                  splits=splits, narrow=narrow, layout=layout, ragged=args.ragged, tokens=tokens,
+                 resident_pages=args.resident_pages,
                  model_page_times=modelled_page_times(np.asarray(lens), pps, splits, head_tiles,
                                                       balanced=layout == "balanced"),
                  time_us=sec * 1e6, tbs=tbs, frac_copy=tbs / copy_tbs, merge_us=merge and merge[0],

@@ -81,6 +81,21 @@ def test_mla_decode_ragged_smoke(tmp_path, monkeypatch, capfd):
     assert (r["vs_bf16"] is None) == (r["cache"] == "bfloat16")
 
 
+def test_mla_decode_resident_pages_smoke(tmp_path, monkeypatch, capfd):
+  """``--resident-pages``: every page id from the first N pages; the rows say so; N < 1 is refused."""
+  out = tmp_path / "rows.json"
+  argv = ["mla_decode.py", "--impl", "xla", "--batch", "2", "--context", "256", "--heads", "16", "--no-flashmla",
+          "--copy-gib", "0.001", "--json", str(out)]
+  monkeypatch.setattr(sys, "argv", argv + ["--resident-pages", "3"])
+  mla_decode.main()
+  assert "page ids from the first 3 pages only" in capfd.readouterr().out
+  assert [json.loads(line)["resident_pages"] for line in out.read_text().splitlines()] == [3, 3]
+  monkeypatch.setattr(sys, "argv", argv + ["--resident-pages", "0"])
+  with pytest.raises(SystemExit):
+    mla_decode.main()
+  assert "--resident-pages must be >= 1, got 0" in capfd.readouterr().err
+
+
 def test_mla_decode_models_how_a_batch_spreads_over_the_sms():
   """Page-times of the grid's programs list-scheduled on 132 SMs: a full batch at S = 2 is one wave of 256-page
   programs (4 SMs idle); a ragged batch at S = 2 is set by its longest sequence, at S = 8 spread wider."""
