@@ -218,7 +218,7 @@ SECTIONS = (
     Section("gpu-tests", PYTEST + ("-m", "gpu"), 420, _pytest_summary, expected_s=300, group="marked"),
     Section("randomized", PYTEST + ("-k", "randomized", "tests"), 420, _pytest_summary, expected_s=300,
             group="marked"),
-    Section("kernel-tests", PYTEST + UNMARKED + suite_files(True), 540, _pytest_summary, expected_s=360,
+    Section("kernel-tests", PYTEST + UNMARKED + suite_files(True), 540, _pytest_summary, expected_s=240,
             group="unmarked"),
     Section("model-tests", PYTEST + UNMARKED + suite_files(False), 540, _pytest_summary,
             expected_s=360, group="unmarked"),
