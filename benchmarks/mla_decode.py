@@ -260,6 +260,14 @@ def make_cache(dtype, key, num_pages: int, block: int = 4096) -> jax.Array:
   return jnp.concatenate([quantize(k) for k in keys])[:num_pages]
 
 
+def page_order(key, num_pages: int, resident_pages: int | None = None) -> jax.Array:
+  """The page ids that the block tables take in turn: ``[num_pages]`` int32, a permutation of the cache's pages
+  (sequences scattered over all of it), or with ``resident_pages`` that permutation modulo it, so every id is one
+  of the first ``resident_pages`` (``--resident-pages``)."""
+  order = jax.random.permutation(key, num_pages).astype(jnp.int32)
+  return order % resident_pages if resident_pages else order
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
@@ -304,9 +312,8 @@ def main() -> None:
   variants = [("bfloat16", caches["bfloat16"], None)] if "bfloat16" in caches else []
   if "float8_e4m3fn" in caches:
     variants += [(f"fp8 {path}", caches["float8_e4m3fn"], path) for path in args.fp8_paths]
-  order = jax.random.permutation(kp, num_pages).astype(jnp.int32)
+  order = page_order(kp, num_pages, args.resident_pages)
   if args.resident_pages:
-    order = order % args.resident_pages
     print(f"page ids from the first {args.resident_pages} pages only (--resident-pages): L2-resident", flush=True)
   print("caches of " + ", ".join(f"{num_pages} pages of {name} ({c.nbytes / 2**30:.1f} GiB)" for name, c in
                                  caches.items()) + "\n", flush=True)

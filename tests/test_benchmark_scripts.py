@@ -10,6 +10,7 @@ import pathlib
 import sys
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -82,7 +83,12 @@ def test_mla_decode_ragged_smoke(tmp_path, monkeypatch, capfd):
 
 
 def test_mla_decode_resident_pages_smoke(tmp_path, monkeypatch, capfd):
-  """``--resident-pages``: every page id from the first N pages; the rows say so; N < 1 is refused."""
+  """``--resident-pages``: every page id from the first N pages (each of them taken), without it a permutation of
+  all pages; the rows say so; N < 1 is refused."""
+  key = jax.random.key(0)
+  np.testing.assert_array_equal(np.sort(np.asarray(mla_decode.page_order(key, 64))), np.arange(64))
+  resident = np.asarray(mla_decode.page_order(key, 64, 3))
+  assert resident.dtype == np.int32 and resident.shape == (64,) and set(resident.tolist()) == {0, 1, 2}
   out = tmp_path / "rows.json"
   argv = ["mla_decode.py", "--impl", "xla", "--batch", "2", "--context", "256", "--heads", "16", "--no-flashmla",
           "--copy-gib", "0.001", "--json", str(out)]
