@@ -103,12 +103,23 @@ def split_e4m3(q: jax.Array) -> tuple[jax.Array, jax.Array]:
   x = q.astype(jnp.float32)
   s_q = cache_format.part_scale(x)  # the cache rows' own scale rule
   x = x / s_q
-  hi = jnp.clip(x, -cache_format.FP8_MAX, cache_format.FP8_MAX).astype(cache_format.FP8)
-  # XLA's GPU compiler, at its default (excess precision allowed), folds f32 -> e4m3 -> f32 into the f32 value
-  # itself: q_lo would then hold only what the clip cut, and q about e4m3's 3 bits. The barrier keeps hi's
-  # rounding in the remainder.
-  lo = ((x - jax.lax.optimization_barrier(hi).astype(jnp.float32)) * Q_LO_FACTOR).astype(cache_format.FP8)
-  return jnp.concatenate([hi, lo], axis=1), s_q[..., 0]
+  # q_hi's value in f32, rounded to e4m3 by integer operations: XLA's GPU compiler, at its default (excess
+  # precision allowed), folds an f32 -> e4m3 -> f32 round trip into the f32 value itself, which would leave q_lo
+  # only what the clip cut (q about e4m3's 3 bits). The conversions below are exact.
+  hi = round_to_e4m3(jnp.clip(x, -cache_format.FP8_MAX, cache_format.FP8_MAX))
+  lo = (x - hi) * Q_LO_FACTOR
+  return jnp.concatenate([hi, lo], axis=1).astype(cache_format.FP8), s_q[..., 0]
+
+
+def round_to_e4m3(x: jax.Array) -> jax.Array:
+  """f32 ``x`` (finite values within e4m3's +-448, or NaN) rounded to the nearest e4m3 value, ties to even, as
+  f32: 3 of f32's 23 mantissa bits at e4m3's normal exponents (from 2^-6), multiples of 2^-9 below (its
+  subnormals). NaN stays NaN."""
+  bits = lax.bitcast_convert_type(x, jnp.uint32)
+  keep = bits + jnp.uint32(0x7FFFF) + ((bits >> 20) & jnp.uint32(1))  # round the low 20 bits, ties to even
+  normal = lax.bitcast_convert_type(keep & jnp.uint32(0xFFF00000), jnp.float32)
+  subnormal = jnp.round(x * 2.0 ** 9) * 2.0 ** -9  # exact scalings; jnp.round takes ties to even
+  return jnp.where(jnp.isnan(x), x, jnp.where(jnp.abs(x) < 2.0 ** -6, subnormal, normal))
 
 
 # f16's sign bit, and its bits 13..7 where a byte's 4 exponent and 3 mantissa bits go
