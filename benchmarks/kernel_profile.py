@@ -5,11 +5,13 @@ Run on the GPU machine from the repository root::
 
   PYTHONPATH=. python3 benchmarks/kernel_profile.py kda-prefill [--lens 8192] [--heads 96] [--ckpt 0] [--space 512]
   PYTHONPATH=. python3 benchmarks/kernel_profile.py mla-decode [--batch 32] [--context 32768] [--heads 128]
-      [--wide] [--cache-dtype bfloat16] [--fp8-in-registers] [--space 16]
+      [--wide] [--cache-dtype bfloat16] [--fp8-in-registers] [--resident-pages N] [--space 16]
 
 It sets ``util.PROFILE_DIR_ENV`` (and ``util.PROFILE_SPACE_ENV``) before anything is traced, runs one call of the
 op (impl pallas; kda-prefill: K = V = 128, bf16 inputs, lower-bound gate, f32 state; mla-decode: a bf16 or fp8 cache,
-all sequences at full length, the default tuning, ``--wide`` or ``--fp8-in-registers``), and summarises the Chrome
+all sequences at full length, the default tuning, ``--wide`` or ``--fp8-in-registers``; ``--resident-pages``
+takes the page ids from the first N pages, as ``benchmarks/mla_decode.py`` does, so that the pages come from L2
+and the kernel's own work binds, as on an H200), and summarises the Chrome
 trace that each kernel of the call writes (``DIR/*-trace.json``): per kernel, the programs traced, the
 median span of a program's warpgroup (first entry to last exit) and, per phase (``util.Phases`` in the kernel),
 its occurrences per program, the median time of one occurrence and the median total per program, with its share
@@ -88,33 +90,44 @@ def run_kda_prefill(args: argparse.Namespace) -> str:
   return f"kda_prefill lens={args.lens} H={args.heads} checkpoints per sequence={args.ckpt}"
 
 
-def run_mla_decode(args: argparse.Namespace) -> str:
+def mla_decode_inputs(args: argparse.Namespace) -> tuple:
+  """The profiled call's ``(q, cache, table, lens)``: ``args.batch`` sequences of ``args.context`` tokens over a
+  cache of as many pages in ``args.cache_dtype``, their page ids from ``mla_decode.page_order`` (with
+  ``args.resident_pages``: the first N pages only)."""
   import jax
   import jax.numpy as jnp
 
-  from benchmarks.mla_decode import make_cache
-  from pallas_kernels.mla import MlaDecodeConfig, MlaDecodeTuning, mla_decode
+  from benchmarks.mla_decode import make_cache, page_order
   from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM
+
+  num_pages = args.batch * (args.context // PAGE_SIZE)
+  kq, kc, kp = jax.random.split(jax.random.key(0), 3)
+  cache = make_cache(jnp.dtype(args.cache_dtype), kc, num_pages, block=min(num_pages, 4096))
+  table = page_order(kp, num_pages, args.resident_pages).reshape(args.batch, -1)
+  q = jax.random.normal(kq, (args.batch, args.heads, LATENT_DIM + ROPE_DIM), jnp.bfloat16)
+  return q, cache, table, jnp.full((args.batch,), args.context, jnp.int32)
+
+
+def run_mla_decode(args: argparse.Namespace) -> str:
+  import jax
+
+  from pallas_kernels.mla import MlaDecodeConfig, MlaDecodeTuning, mla_decode
   from pallas_kernels.testing import K3_MLA_SCALE
 
-  pages_per_seq = args.context // PAGE_SIZE
-  kq, kc, kp = jax.random.split(jax.random.key(0), 3)
-  cache = make_cache(jnp.dtype(args.cache_dtype), kc, args.batch * pages_per_seq)
-  table = jax.random.permutation(kp, args.batch * pages_per_seq).astype(jnp.int32).reshape(args.batch, -1)
-  q = jax.random.normal(kq, (args.batch, args.heads, LATENT_DIM + ROPE_DIM), jnp.bfloat16)
-  lens = jnp.full((args.batch,), args.context, jnp.int32)
+  q, cache, table, lens = mla_decode_inputs(args)
   config = MlaDecodeConfig(scale=K3_MLA_SCALE, impl="pallas",
                            tuning=MlaDecodeTuning(narrow=False if args.wide else None,
                                                   fp8_in_registers=args.fp8_in_registers))
   jax.block_until_ready(jax.jit(lambda *a: mla_decode(*a, config=config))(q, cache, table, lens))
   return (f"mla_decode B={args.batch} context={args.context} Hq={args.heads} {args.cache_dtype} cache"
-          f"{' wide' if args.wide else ''}{' fp8 in registers' if args.fp8_in_registers else ''}")
+          f"{' wide' if args.wide else ''}{' fp8 in registers' if args.fp8_in_registers else ''}"
+          f"{f' pages from the first {args.resident_pages}' if args.resident_pages else ''}")
 
 
 OPS = {"kda-prefill": (run_kda_prefill, 512), "mla-decode": (run_mla_decode, 16)}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("op", choices=tuple(OPS))
   parser.add_argument("--lens", type=int, nargs="+", default=[8192], help="kda-prefill: packed sequence lengths")
@@ -128,10 +141,14 @@ def main() -> int:
   parser.add_argument("--fp8-in-registers", action="store_true",
                       help="mla-decode: the narrow kernel's fp8 pages in registers "
                            "(`MlaDecodeTuning.fp8_in_registers`)")
+  parser.add_argument("--resident-pages", type=int, default=None,
+                      help="mla-decode: page ids from the first N pages only, an L2-resident working set")
   parser.add_argument("--space", type=int, default=None, help="phases recorded per warpgroup (default: per op)")
   parser.add_argument("--out", default="/tmp/k3jax-profile", help="trace directory (emptied of old traces)")
   parser.add_argument("--json", help="also write the summaries here")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
+  if args.resident_pages is not None and args.resident_pages < 1:
+    parser.error(f"--resident-pages must be >= 1, got {args.resident_pages}")
   run, default_space = OPS[args.op]
   args.space = args.space or default_space
   args.heads = args.heads or (96 if args.op == "kda-prefill" else 128)

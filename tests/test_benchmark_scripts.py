@@ -220,6 +220,28 @@ def test_kernel_profile_summarises_phases_per_program(tmp_path):
   assert c["total_kcycles"] == pytest.approx(3.0)
 
 
+
+@pytest.mark.parametrize("resident", [None, 3])
+def test_kernel_profile_mla_inputs_take_resident_pages(resident):
+  """The profiled MLA decode call's page ids: every page of the cache once, or with ``--resident-pages 3`` only the
+  first three (the L2-resident working set of ``benchmarks/mla_decode.py``)."""
+  args = argparse.Namespace(batch=2, context=4 * 64, heads=16, cache_dtype="float8_e4m3fn", resident_pages=resident)
+  q, cache, table, lens = kernel_profile.mla_decode_inputs(args)
+  assert q.shape == (2, 16, 576) and q.dtype == jnp.bfloat16 and lens.tolist() == [256, 256]
+  assert cache.shape == (8, 64, 640) and cache.dtype == jnp.float8_e4m3fn
+  assert table.shape == (2, 4) and table.dtype == jnp.int32
+  ids = np.asarray(table).ravel()
+  if resident is None:
+    assert sorted(ids.tolist()) == list(range(8))
+  else:
+    assert set(ids.tolist()) == {0, 1, 2}
+
+
+def test_kernel_profile_refuses_no_resident_pages(capsys):
+  with pytest.raises(SystemExit):
+    kernel_profile.main(["mla-decode", "--resident-pages", "0"])
+  assert "--resident-pages must be >= 1, got 0" in capsys.readouterr().err
+
 def test_kda_prefill_paired_overheads_cancel_drift(monkeypatch):
   """The GPU slows by 40% over the rounds; a variant 3% slower than the base in every round measures +3%, and one
   round where a variant ran 2% slow moves its median by nothing and shows in its ratio range."""
