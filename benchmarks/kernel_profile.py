@@ -128,6 +128,8 @@ OPS = {"kda-prefill": (run_kda_prefill, 512), "mla-decode": (run_mla_decode, 16)
 
 
 def main(argv: list[str] | None = None) -> int:
+  from benchmarks import mla_decode
+
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("op", choices=tuple(OPS))
   parser.add_argument("--lens", type=int, nargs="+", default=[8192], help="kda-prefill: packed sequence lengths")
@@ -141,14 +143,11 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--fp8-in-registers", action="store_true",
                       help="mla-decode: the narrow kernel's fp8 pages in registers "
                            "(`MlaDecodeTuning.fp8_in_registers`)")
-  parser.add_argument("--resident-pages", type=int, default=None,
-                      help="mla-decode: page ids from the first N pages only, an L2-resident working set")
+  mla_decode.add_resident_pages_argument(parser, "mla-decode: ")
   parser.add_argument("--space", type=int, default=None, help="phases recorded per warpgroup (default: per op)")
   parser.add_argument("--out", default="/tmp/k3jax-profile", help="trace directory (emptied of old traces)")
   parser.add_argument("--json", help="also write the summaries here")
   args = parser.parse_args(argv)
-  if args.resident_pages is not None and args.resident_pages < 1:
-    parser.error(f"--resident-pages must be >= 1, got {args.resident_pages}")
   run, default_space = OPS[args.op]
   args.space = args.space or default_space
   args.heads = args.heads or (96 if args.op == "kda-prefill" else 128)

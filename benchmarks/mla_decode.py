@@ -268,6 +268,20 @@ def page_order(key, num_pages: int, resident_pages: int | None = None) -> jax.Ar
   return order % resident_pages if resident_pages else order
 
 
+def add_resident_pages_argument(parser: argparse.ArgumentParser, help_prefix: str = "") -> None:
+  """``--resident-pages N`` (an int >= 1, default None): the page ids from the first N pages only (``page_order``),
+  here and in ``benchmarks/kernel_profile.py``."""
+  def count(text: str) -> int:
+    n = int(text)
+    if n < 1:
+      raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+  parser.add_argument("--resident-pages", type=count, default=None,
+                      help=f"{help_prefix}page ids drawn from the first N pages only, an L2-resident working set "
+                           "(benchmarks/mla_decode.py's doc)")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
@@ -289,8 +303,7 @@ def main() -> None:
   parser.add_argument("--fp8-paths", nargs="+", choices=("ring", "registers"), default=["ring"],
                       help="how the narrow kernel reads an fp8 page: converted into an f16 ring (the default) or "
                            "kept fp8 with V converted in registers (`MlaDecodeTuning.fp8_in_registers`)")
-  parser.add_argument("--resident-pages", type=int, default=None,
-                      help="page ids drawn from the first N pages only, an L2-resident working set (module doc)")
+  add_resident_pages_argument(parser)
   parser.add_argument("--wide", action="store_true",
                       help="the 64-row head tiles everywhere (the default tuning takes the narrow, transposed "
                            "kernel where it applies: a bf16 cache and Hq <= 32)")
@@ -303,8 +316,6 @@ def main() -> None:
   print(f"copy bandwidth {copy_tbs:.2f} TB/s (read + write, {args.copy_gib:g} GiB jnp.copy); "
         f"read-only reduction {read_tbs:.2f} TB/s", flush=True)
 
-  if args.resident_pages is not None and args.resident_pages < 1:
-    parser.error(f"--resident-pages must be >= 1, got {args.resident_pages}")
   num_pages = max(args.batch) * max(args.context) // PAGE_SIZE
   kq, kc, kp = jax.random.split(jax.random.key(0), 3)
   caches = {name: make_cache(jnp.dtype(name), kc, num_pages) for name in args.cache_dtypes}

@@ -99,7 +99,7 @@ def test_mla_decode_resident_pages_smoke(tmp_path, monkeypatch, capfd):
   monkeypatch.setattr(sys, "argv", argv + ["--resident-pages", "0"])
   with pytest.raises(SystemExit):
     mla_decode.main()
-  assert "--resident-pages must be >= 1, got 0" in capfd.readouterr().err
+  assert "argument --resident-pages: must be >= 1, got 0" in capfd.readouterr().err
 
 
 def test_mla_decode_models_how_a_batch_spreads_over_the_sms():
@@ -220,7 +220,6 @@ def test_kernel_profile_summarises_phases_per_program(tmp_path):
   assert c["total_kcycles"] == pytest.approx(3.0)
 
 
-
 @pytest.mark.parametrize("resident", [None, 3])
 def test_kernel_profile_mla_inputs_take_resident_pages(resident):
   """The profiled MLA decode call's page ids: every page of the cache once, or with ``--resident-pages 3`` only the
@@ -240,7 +239,7 @@ def test_kernel_profile_mla_inputs_take_resident_pages(resident):
 def test_kernel_profile_refuses_no_resident_pages(capsys):
   with pytest.raises(SystemExit):
     kernel_profile.main(["mla-decode", "--resident-pages", "0"])
-  assert "--resident-pages must be >= 1, got 0" in capsys.readouterr().err
+  assert "argument --resident-pages: must be >= 1, got 0" in capsys.readouterr().err
 
 def test_kda_prefill_paired_overheads_cancel_drift(monkeypatch):
   """The GPU slows by 40% over the rounds; a variant 3% slower than the base in every round measures +3%, and one
