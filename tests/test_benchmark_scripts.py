@@ -1,7 +1,8 @@
 """CPU smoke runs of benchmarks/mla_prefill.py, benchmarks/mla_decode.py, benchmarks/long_prompt.py and
 benchmarks/prefix_cache.py at tiny sizes (impl xla), kernel_profile.py's trace summary on a made-up trace,
 kda_prefill.py's paired overheads and kernel overheads on scripted times and its SMEM padding in interpret mode,
-and the harness's GPU timeline on made-up profiles and its clock sampler on a stand-in nvidia-smi."""
+the harness's GPU timeline on made-up profiles and its clock sampler on a stand-in nvidia-smi, and wgmma_rates.py's
+cases lowered for sm_90a with their NumPy check values."""
 
 import argparse
 import contextlib
@@ -22,7 +23,7 @@ if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
 from benchmarks import (_harness, kda_prefill, kernel_profile, long_prompt, mla_decode, mla_prefill,  # noqa: E402
-                        prefix_cache)
+                        prefix_cache, wgmma_rates)
 from pallas_kernels import util  # noqa: E402
 
 
@@ -499,3 +500,29 @@ def test_kda_prefill_segments_rows(monkeypatch, tmp_path):
   row, = json.loads(out.read_text())["results"]
   assert row["ours_ms"] == 0.40 and row["ours_seg6_ms"] == 0.33 and row["ours_seg6_per_call_ms"] == 0.31
   assert row["rel_rmse_seg6_vs_ours"] == pytest.approx(0.01, rel=1e-4)
+
+
+@pytest.mark.parametrize("case", wgmma_rates.CASES, ids=lambda c: c.name)
+def test_wgmma_rates_cases_lower_for_sm90a(case):
+  """Every timed product lowers for the GPU (interpret mode cannot take q from registers), and its NumPy check
+  has a row per warpgroup."""
+  a, b = wgmma_rates.inputs(case)
+  wgmma_rates.make(case, iters=2, ctas=2).trace(a, b).lower(lowering_platforms=("cuda",))
+  want = wgmma_rates.expected(case, a, b, iters=2)
+  assert want.shape == (case.warpgroups, wgmma_rates.ROWS) and np.all(np.isfinite(want))
+
+
+def test_wgmma_rates_side_by_side_case_counts_both_products():
+  """``qk+pv``: warpgroup 0's check is the QK case's, warpgroup 1's the P @ V case's, and the FLOPs are their sum."""
+  mixed, qk, pv = wgmma_rates.Case("qk+pv", 256, 2), wgmma_rates.Case("qk", 64, 1), wgmma_rates.Case("pv", 256, 1)
+  a, b = wgmma_rates.inputs(mixed)
+  want = wgmma_rates.expected(mixed, a, b, iters=3)
+  np.testing.assert_allclose(want[0], wgmma_rates.expected(qk, a, b[:64], iters=3)[0])
+  np.testing.assert_allclose(want[1], wgmma_rates.expected(pv, a, b, iters=3)[0])
+  assert mixed.flops() == qk.flops() + pv.flops() == 2 * 64 * (64 * 576 + 256 * 64)
+
+
+def test_wgmma_rates_refuses_no_iterations(capsys):
+  with pytest.raises(SystemExit):
+    wgmma_rates.main(["--iters", "0"])
+  assert "--iters must be >= 1, got 0" in capsys.readouterr().err
