@@ -14,6 +14,9 @@ product's result, so it costs one issue-to-result round trip, as a decode kernel
 - ``pv``: ``O[64, N] += P[64, 64] @ V[64, N]`` with V as the page tile holds it (N columns of a 576-wide row:
   MN-major), as each compute warpgroup's half of ``P @ V`` at N = 256.
 - ``pv_kt``: the same with V^T stored ``[N, 64]`` (K-major).
+- ``pv4``: ``pv`` at N = 256 as four N = 64 products into four accumulators, issued back to back.
+- ``qk,pv``: one warpgroup issues ``qk`` (N = 64) and ``pv`` (N = 256) back to back and awaits both: the leader's
+  two round trips of a page as one.
 - ``qk+pv``: warpgroup 0 runs ``qk`` (N = 64) and warpgroup 1 ``pv`` (N = 256) side by side: the leader's QK beside
   the follower's half of ``P @ V``.
 
@@ -49,9 +52,21 @@ BOOST_MHZ = 1980.0
 
 
 @dataclasses.dataclass(frozen=True)
+class Part:
+  """One product into its own accumulator: ``kind`` (qk, qk_rq, pv or pv_kt), its N, and for pv its first column
+  of V."""
+  kind: str
+  n: int
+  col: int = 0
+
+  def flops(self) -> int:
+    return 2 * ROWS * self.n * (DIM if self.kind.startswith("qk") else PAGE)
+
+
+@dataclasses.dataclass(frozen=True)
 class Case:
-  """One timed product: ``kind`` (the module docstring's names), its N, and how many warpgroups run it side by
-  side (``qk+pv``: two, each its own product)."""
+  """One timed case: ``kind`` (the module docstring's names), its N, and how many warpgroups run it side by side
+  (``qk+pv``: two, each its own product)."""
   kind: str
   n: int
   warpgroups: int
@@ -60,28 +75,35 @@ class Case:
   def name(self) -> str:
     return f"{self.kind} N={self.n} W={self.warpgroups}"
 
-  def flops(self) -> int:
-    """The FLOPs of one iteration of one CTA (every warpgroup's product)."""
-    qk, pv = 2 * ROWS * 64 * DIM, 2 * ROWS * 256 * PAGE
+  def parts(self, w: int) -> tuple[Part, ...]:
+    """Warpgroup w's products, issued back to back and awaited together each iteration."""
     if self.kind == "qk+pv":
-      return qk + pv
-    k = DIM if self.kind.startswith("qk") else PAGE
-    return 2 * ROWS * self.n * k * self.warpgroups
+      return (Part("qk", 64),) if w == 0 else (Part("pv", 256),)
+    if self.kind == "qk,pv":
+      return Part("qk", 64), Part("pv", 256)
+    if self.kind == "pv4":
+      return tuple(Part("pv", 64, 64 * j) for j in range(self.n // 64))
+    return (Part(self.kind, self.n),)
+
+  def flops(self) -> int:
+    """The FLOPs of one iteration of one CTA (every warpgroup's products)."""
+    return sum(p.flops() for w in range(self.warpgroups) for p in self.parts(w))
 
 
 CASES = (Case("qk", 64, 1), Case("qk", 64, 2), Case("qk", 128, 1), Case("qk", 128, 2), Case("qk_rq", 64, 1),
          Case("qk_rq", 64, 2), Case("pv", 64, 1), Case("pv", 256, 1), Case("pv", 256, 2), Case("pv_kt", 64, 1),
-         Case("pv_kt", 256, 1), Case("qk+pv", 256, 2))
+         Case("pv_kt", 256, 1), Case("pv4", 256, 1), Case("qk,pv", 256, 1), Case("qk+pv", 256, 2))
 KINDS = tuple(dict.fromkeys(c.kind for c in CASES))
 
 
 def _operand_shapes(case: Case) -> tuple[tuple[int, int], tuple[int, int]]:
-  """The shapes of a (q or P, in its first 64 columns) and b (the page tile, or V^T for ``pv_kt``)."""
+  """The shapes of a (q or P, in its first 64 columns) and b (the page tile: its rows are QK's N, or V^T for
+  ``pv_kt``)."""
   if case.kind == "pv_kt":
     return (ROWS, DIM), (case.n, PAGE)
-  if case.kind in ("pv", "qk+pv"):  # a page tile: V is its first N columns (qk+pv: QK's tile at N = 64 too)
-    return (ROWS, DIM), (PAGE, DIM)
-  return (ROWS, DIM), (case.n, DIM)
+  if case.kind in ("qk", "qk_rq"):
+    return (ROWS, DIM), (case.n, DIM)
+  return (ROWS, DIM), (PAGE, DIM)  # V is the tile's first columns; a QK beside it is at N = 64
 
 
 def _body(a_gmem, b_gmem, out_gmem, a_smem, b_smem, out_smem, bar, *, case: Case, iters: int):
@@ -94,22 +116,25 @@ def _body(a_gmem, b_gmem, out_gmem, a_smem, b_smem, out_smem, bar, *, case: Case
 
   plgpu.barrier_wait(bar)
 
+  def operands(part: Part):
+    if part.kind == "qk_rq":
+      return plgpu.load(a_smem, (), layout=plgpu.Layout.WGMMA, optimized=False), b_smem.T
+    if part.kind == "qk":
+      return a_smem, b_smem.T
+    p = a_smem.at[:, pl.ds(0, PAGE)]
+    return p, (b_smem.T if part.kind == "pv_kt" else b_smem.at[:, pl.ds(part.col, part.n)])
+
   def warpgroup(w: int):
-    kind = ("qk", "pv")[w] if case.kind == "qk+pv" else case.kind
-    n = (64, 256)[w] if case.kind == "qk+pv" else case.n
-    if kind in ("qk", "qk_rq"):
-      a = plgpu.load(a_smem, (), layout=plgpu.Layout.WGMMA, optimized=False) if kind == "qk_rq" else a_smem
-      b = b_smem.T
-    else:
-      a = a_smem.at[:, pl.ds(0, PAGE)]
-      b = b_smem.T if kind == "pv_kt" else b_smem.at[:, pl.ds(0, n)]
+    parts = case.parts(w)
+    pairs = [operands(part) for part in parts]
 
-    def product(acc_ref):
-      plgpu.wgmma(acc_ref, a, b)
+    def products(*acc_refs):
+      for acc_ref, (a, b) in zip(acc_refs, pairs):
+        plgpu.wgmma(acc_ref, a, b)
 
-    acc = plgpu.layout_cast(jnp.zeros((ROWS, n), jnp.float32), plgpu.Layout.WGMMA)
-    acc = lax.fori_loop(0, iters, lambda _, acc: util.accumulate(product, acc, from_inits=True)[0], acc)
-    out_smem.at[w][...] = acc.sum(axis=1)  # row sums: a [64] check value per warpgroup
+    accs = tuple(plgpu.layout_cast(jnp.zeros((ROWS, part.n), jnp.float32), plgpu.Layout.WGMMA) for part in parts)
+    accs = lax.fori_loop(0, iters, lambda _, accs: util.accumulate(products, *accs, from_inits=True), accs)
+    out_smem.at[w][...] = sum(acc.sum(axis=1) for acc in accs)  # row sums: a [64] check value per warpgroup
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem.at[w], out_gmem.at[lax.axis_index("c"), w])
     plgpu.wait_smem_to_gmem(0)
@@ -140,12 +165,12 @@ def inputs(case: Case) -> tuple[jax.Array, jax.Array]:
 
 
 def expected(case: Case, a: jax.Array, b: jax.Array, iters: int) -> np.ndarray:
-  """``[W, 64]``: each warpgroup's row sums after ``iters`` products, in float64."""
+  """``[W, 64]``: each warpgroup's row sums (over all its accumulators) after ``iters`` iterations, in float64."""
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  products = {"qk": lambda n: a @ b[:n].T, "qk_rq": lambda n: a @ b[:n].T, "pv_kt": lambda n: a[:, :PAGE] @ b.T,
-              "pv": lambda n: a[:, :PAGE] @ b[:PAGE, :n]}
-  parts = ([("qk", 64), ("pv", 256)] if case.kind == "qk+pv" else [(case.kind, case.n)] * case.warpgroups)
-  return np.stack([products[k](n).sum(axis=1) * iters for k, n in parts])
+  products = {"qk": lambda p: a @ b[:p.n].T, "qk_rq": lambda p: a @ b[:p.n].T, "pv_kt": lambda p: a[:, :PAGE] @ b.T,
+              "pv": lambda p: a[:, :PAGE] @ b[:PAGE, p.col:p.col + p.n]}
+  return np.stack([sum(products[p.kind](p).sum(axis=1) for p in case.parts(w)) * iters
+                   for w in range(case.warpgroups)])
 
 
 def measure(case: Case, iters: int, ctas: int, reps: int = 5) -> dict:

@@ -512,14 +512,19 @@ def test_wgmma_rates_cases_lower_for_sm90a(case):
   assert want.shape == (case.warpgroups, wgmma_rates.ROWS) and np.all(np.isfinite(want))
 
 
-def test_wgmma_rates_side_by_side_case_counts_both_products():
-  """``qk+pv``: warpgroup 0's check is the QK case's, warpgroup 1's the P @ V case's, and the FLOPs are their sum."""
-  mixed, qk, pv = wgmma_rates.Case("qk+pv", 256, 2), wgmma_rates.Case("qk", 64, 1), wgmma_rates.Case("pv", 256, 1)
-  a, b = wgmma_rates.inputs(mixed)
-  want = wgmma_rates.expected(mixed, a, b, iters=3)
-  np.testing.assert_allclose(want[0], wgmma_rates.expected(qk, a, b[:64], iters=3)[0])
-  np.testing.assert_allclose(want[1], wgmma_rates.expected(pv, a, b, iters=3)[0])
-  assert mixed.flops() == qk.flops() + pv.flops() == 2 * 64 * (64 * 576 + 256 * 64)
+def test_wgmma_rates_combined_cases_count_each_product():
+  """The cases of several products are checked and counted as the sum of their single-product cases: ``qk+pv`` per
+  warpgroup, ``qk,pv`` within one, and ``pv4`` (four N = 64 column blocks) as ``pv`` at N = 256."""
+  case = lambda kind, n, w=1: wgmma_rates.Case(kind, n, w)
+  qk, pv = case("qk", 64), case("pv", 256)
+  a, b = wgmma_rates.inputs(case("qk+pv", 256, 2))  # a page tile: QK at N = 64, V its first 256 columns
+  want = {c.name: wgmma_rates.expected(c, a, b, iters=3) for c in (case("qk+pv", 256, 2), case("qk,pv", 256), qk,
+                                                                   pv, case("pv4", 256))}
+  np.testing.assert_allclose(want["qk+pv N=256 W=2"], np.concatenate([want[qk.name], want[pv.name]]))
+  np.testing.assert_allclose(want["qk,pv N=256 W=1"], want[qk.name] + want[pv.name])
+  np.testing.assert_allclose(want["pv4 N=256 W=1"], want[pv.name])
+  assert case("qk+pv", 256, 2).flops() == case("qk,pv", 256).flops() == qk.flops() + pv.flops()
+  assert case("pv4", 256).flops() == pv.flops() == 2 * 64 * 256 * 64
 
 
 def test_wgmma_rates_refuses_no_iterations(capsys):
