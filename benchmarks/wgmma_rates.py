@@ -6,8 +6,9 @@ Run on the GPU machine from the repository root::
   PYTHONPATH=. python3 benchmarks/wgmma_rates.py [--cases qk pv ...] [--iters 512] [--json FILE]
 
 Every CTA (one per SM) loads its operands into SMEM once, then each of its W warpgroups runs ``--iters`` iterations
-of one product into an accumulator carried from iteration to iteration: an iteration waits for the previous
-product's result, so it costs one issue-to-result round trip, as a decode kernel's page loop pays it. M = 64 rows:
+of its product (or products, each into its own accumulator) into accumulators carried from iteration to iteration:
+an iteration waits for the previous one's results, so it costs one issue-to-result round trip, as a decode kernel's
+page loop pays it. M = 64 rows:
 
 - ``qk``: ``S[64, N] += q[64, 576] @ tile[N, 576]^T``, both from SMEM (the wide kernel's QK at N = 64: 36 k16 steps).
 - ``qk_rq``: the same with q from registers (loaded once).
