@@ -5,6 +5,7 @@ The ceilings are those measured on the H200 (benchmarks/RESULTS.md): a roofline 
 ``max(FLOPs / PEAK_BF16_FLOPS, bytes / COPY_BYTES_PER_S)``.
 """
 
+import argparse
 import contextlib
 import dataclasses
 import functools
@@ -21,6 +22,14 @@ PEAK_BF16_FLOPS = 790e12
 COPY_BYTES_PER_S = 4.27e12
 # Larger than the H200's L2 (50 MB): a working set of three times this is never L2 resident.
 L2_BYTES = 60e6
+
+
+def positive_int(text: str) -> int:
+  """An argparse ``type``: an int >= 1 (argparse names the option in its error)."""
+  n = int(text)
+  if n < 1:
+    raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+  return n
 
 
 @contextlib.contextmanager

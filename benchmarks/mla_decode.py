@@ -76,7 +76,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks._harness import cupti_kernels, gpu_clocks  # noqa: E402
+from benchmarks._harness import cupti_kernels, gpu_clocks, positive_int  # noqa: E402
 from pallas_kernels import util  # noqa: E402
 from pallas_kernels.mla import (MlaDecodeConfig, MlaDecodeTuning, api, cache_format, default_tuning,  # noqa: E402
                                 mla_decode, reference)
@@ -271,13 +271,7 @@ def page_order(key, num_pages: int, resident_pages: int | None = None) -> jax.Ar
 def add_resident_pages_argument(parser: argparse.ArgumentParser, help_prefix: str = "") -> None:
   """``--resident-pages N`` (an int >= 1, default None): the page ids from the first N pages only (``page_order``),
   here and in ``benchmarks/kernel_profile.py``."""
-  def count(text: str) -> int:
-    n = int(text)
-    if n < 1:
-      raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-  parser.add_argument("--resident-pages", type=count, default=None,
+  parser.add_argument("--resident-pages", type=positive_int, default=None,
                       help=f"{help_prefix}page ids drawn from the first N pages only, an L2-resident working set "
                            "(benchmarks/mla_decode.py's doc)")
 

@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from benchmarks._harness import gpu_clocks
+from benchmarks._harness import gpu_clocks, positive_int
 from pallas_kernels import util
 
 DIM = 576  # a latent cache row: q and the page tile are [*, DIM]
@@ -119,7 +119,7 @@ def _body(a_gmem, b_gmem, out_gmem, a_smem, b_smem, out_smem, bar, *, case: Case
 
   def operands(part: Part):
     if part.kind == "qk_rq":
-      return plgpu.load(a_smem, (), layout=plgpu.Layout.WGMMA, optimized=False), b_smem.T
+      return plgpu.load(a_smem, layout=plgpu.Layout.WGMMA, optimized=False), b_smem.T
     if part.kind == "qk":
       return a_smem, b_smem.T
     p = a_smem.at[:, pl.ds(0, PAGE)]
@@ -199,11 +199,9 @@ def measure(case: Case, iters: int, ctas: int, reps: int = 5) -> dict:
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--cases", nargs="+", choices=KINDS, default=list(KINDS), help="kinds of product to time")
-  parser.add_argument("--iters", type=int, default=512, help="products per warpgroup per call")
+  parser.add_argument("--iters", type=positive_int, default=512, help="products per warpgroup per call")
   parser.add_argument("--json", help="also append one JSON line per case to this file")
   args = parser.parse_args(argv)
-  if args.iters < 1:
-    parser.error(f"--iters must be >= 1, got {args.iters}")
   ctas = util.NUM_SMS
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {ctas} CTAs, {args.iters} iterations", flush=True)
   print(f"{'case':>16} {'us':>9} {'MHz':>6} {'kcyc/iter':>9} {'TFLOP/s':>8}", flush=True)

@@ -242,6 +242,7 @@ def test_kernel_profile_refuses_no_resident_pages(capsys):
     kernel_profile.main(["mla-decode", "--resident-pages", "0"])
   assert "argument --resident-pages: must be >= 1, got 0" in capsys.readouterr().err
 
+
 def test_kda_prefill_paired_overheads_cancel_drift(monkeypatch):
   """The GPU slows by 40% over the rounds; a variant 3% slower than the base in every round measures +3%, and one
   round where a variant ran 2% slow moves its median by nothing and shows in its ratio range."""
@@ -530,4 +531,4 @@ def test_wgmma_rates_combined_cases_count_each_product():
 def test_wgmma_rates_refuses_no_iterations(capsys):
   with pytest.raises(SystemExit):
     wgmma_rates.main(["--iters", "0"])
-  assert "--iters must be >= 1, got 0" in capsys.readouterr().err
+  assert "argument --iters: must be >= 1, got 0" in capsys.readouterr().err
