@@ -259,8 +259,10 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     return p_smem
 
   def accumulate(acc, alpha, tile, cols, p_ref):
-    """``acc * alpha + P @ V[:, cols]`` with P (``[rows, 64]``) from SMEM; narrow: ``V[:, cols]^T @ P^T``."""
-    acc = acc * along_heads(alpha, acc.shape)
+    """``acc * alpha + P @ V[:, cols]`` with P (``[rows, 64]``) from SMEM; narrow: ``V[:, cols]^T @ P^T``.
+    ``alpha=None``: the caller has rescaled ``acc`` already."""
+    if alpha is not None:
+      acc = acc * along_heads(alpha, acc.shape)
 
     def pv(acc_ref):
       if narrow:
@@ -405,7 +407,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     q_scale = plgpu.load(qs_smem, layout=head_layout) * (scale * LOG2E) if registers else None
     scaled = convert or registers  # the per-token scales enter S and P here
 
-    def page_step(i, carry):
+    def page_step(i, carry, masked: bool):
       acc, m, l, v_scale = carry if scaled else (*carry, None)
       phases.start("wg0_acquire")
       tile = acquire(i, 0)
@@ -430,8 +432,6 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
         return sum(ref[...] for ref in latent_refs), rope_ref[...]
 
       shape = (PAGE_SIZE, rows) if narrow else (rows, PAGE_SIZE)
-      token = plgpu.broadcasted_iota(jnp.int32, shape, token_axis, layout=plgpu.Layout.WGMMA)
-      valid = token < seq_len - page_start
       slot = lax.rem(i, stages)
       if scaled:
         s_c, s_pe = (lax.broadcast_in_dim(plgpu.load(ring_scales.at[slot, k], layout=TOKEN_LAYOUT), shape, (0,))
@@ -444,10 +444,16 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
         s = (s_latent * s_c + s_rope * s_pe) * (along_heads(q_scale, shape) if registers else scale * LOG2E)
       else:
         s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32)) * (scale * LOG2E)
-      s = jnp.where(valid, s, -jnp.inf)
+      if masked:  # only the page that reaches past seq_len pays for the mask
+        token = plgpu.broadcasted_iota(jnp.int32, shape, token_axis, layout=plgpu.Layout.WGMMA)
+        s = jnp.where(token < seq_len - page_start, s, -jnp.inf)
       m_new = jnp.maximum(m, s.max(axis=token_axis))
       alpha = jnp.exp2(m - m_new)
       p = jnp.exp2(s - along_heads(m_new, s.shape))
+      if not scaled:
+        # Rescaled beside P's exponentials, before the wait for p_free (the barrier keeps LLVM from sinking the
+        # multiplies past it), so they issue while the exp2 unit is busy instead of after the hand-off.
+        acc, p = lax.optimization_barrier((acc * along_heads(alpha, acc.shape), p))
       if registers:  # l as a tile, summed over the tokens (across the warps) once, after the last page
         l = l * along_heads(alpha, shape) + p
       else:
@@ -478,7 +484,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
         release(i, slot)
       else:
         phases.start("wg0_pv")
-        acc = accumulate(acc, alpha, tile, cols, p_ref)
+        acc = accumulate(acc, alpha if scaled else None, tile, cols, p_ref)
         done(i)
       phases.end()
       return (acc, m_new, l, v_scale) if scaled else (acc, m_new, l)
@@ -487,11 +493,16 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     m = plgpu.layout_cast(jnp.full((rows,), INIT_MAX, jnp.float32), head_layout)
     l_shape = (PAGE_SIZE, rows) if registers else (rows,)
     l = plgpu.layout_cast(jnp.zeros(l_shape, jnp.float32), plgpu.Layout.WGMMA if registers else head_layout)
+    carry = (acc, m, l)
     if scaled:  # the accumulator's unit (see page_step)
-      ones = plgpu.layout_cast(jnp.ones((rows,), jnp.float32), head_layout)
-      acc, m, l, v_scale = lax.fori_loop(0, num_pages, page_step, (acc, m, l, ones))
-    else:
-      acc, m, l = lax.fori_loop(0, num_pages, page_step, (acc, m, l))
+      carry += (plgpu.layout_cast(jnp.ones((rows,), jnp.float32), head_layout),)
+    # The pages before full_pages hold PAGE_SIZE tokens each; a last page past seq_len, if any, is masked.
+    full_pages = jnp.clip(seq_len // PAGE_SIZE - first_page, 0, num_pages)
+    carry = lax.fori_loop(0, full_pages, functools.partial(page_step, masked=False), carry)
+    carry = lax.fori_loop(full_pages, num_pages, functools.partial(page_step, masked=True), carry)
+    acc, m, l = carry[:3]
+    if scaled:
+      v_scale = carry[3]
 
     if not registers:
       @pl.when(num_pages > 0)
