@@ -242,14 +242,17 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
   along_heads = lambda x, shape: lax.broadcast_in_dim(x, shape, (head_axis,))
   acc_shape = (COLS, rows) if narrow else (rows, COLS)  # one warpgroup's half of the output columns
 
-  def zero_v_tail(tile, cols, page_start):
-    """Zeroes this warpgroup's V columns of the rows past ``seq_len`` (last page only; NaN-safe ``P @ V``)."""
+  def zero_v_tail(tile, cols, page_start, commit: bool):
+    """Zeroes this warpgroup's V columns of the rows past ``seq_len`` (last page only; NaN-safe ``P @ V``), and
+    with ``commit`` makes the zeros visible to the wgmma (the other pages need no fence)."""
     @pl.when(page_start + PAGE_SIZE > seq_len)
     def _():
       v = tile.at[:, cols]
       token = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, COLS), 0, layout=plgpu.Layout.WGMMA)
       v[...] = jnp.where(token < seq_len - page_start,
                          plgpu.load(v, layout=plgpu.Layout.WGMMA, optimized=False), 0).astype(v.dtype)
+      if commit:
+        plgpu.commit_smem()
 
   def p_tile(i):
     """Where P of page i goes: one buffer; fp8 with 64-row tiles: the first rows of page i's ring slot, whose values
@@ -476,8 +479,8 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
         v_scale = page_scale
       (p_ref.T if narrow else p_ref)[...] = p.astype(p_ref.dtype)
       alpha_ref[...] = alpha
-      if not fp8:
-        zero_v_tail(tile, cols, page_start)
+      if masked and not fp8:
+        zero_v_tail(tile, cols, page_start, commit=False)  # P's fence below covers the zeros
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready)
       if registers:  # QK has read the slot; the follower runs all of P @ V
@@ -539,8 +542,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       phases.start("wg1_acquire")
       tile = acquire(i, 1)
       if not fp8:
-        zero_v_tail(tile, cols, (first_page + i) * PAGE_SIZE)
-        plgpu.commit_smem()
+        zero_v_tail(tile, cols, (first_page + i) * PAGE_SIZE, commit=True)
       if convert:  # while the leader computes QK and the softmax of page i
         phases.start("wg1_convert")
         pl.when(i + 1 < num_pages)(lambda: convert_last_piece(i + 1))
