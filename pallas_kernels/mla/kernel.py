@@ -454,8 +454,8 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       alpha = jnp.exp2(m - m_new)
       p = jnp.exp2(s - along_heads(m_new, s.shape))
       if not scaled:
-        # Rescaled beside P's exponentials, before the wait for p_free (the barrier keeps LLVM from sinking the
-        # multiplies past it), so they issue while the exp2 unit is busy instead of after the hand-off.
+        # Rescaled here, beside P's exponentials, instead of in accumulate: the multiplies then issue with P's
+        # stores, ahead of the fence and the arrival on p_ready (the barrier keeps LLVM from sinking them below).
         acc, p = lax.optimization_barrier((acc * along_heads(alpha, acc.shape), p))
       if registers:  # l as a tile, summed over the tokens (across the warps) once, after the last page
         l = l * along_heads(alpha, shape) + p
