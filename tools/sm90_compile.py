@@ -73,6 +73,10 @@ _KERNEL_OP = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*? (fusion|custom-call|sort|sc
 _PTXAS_FUNC = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
+# nvdisasm's text: an instruction (``/*0a10*/  @!P1 BRA `(.L_x_4) ;``), a label, a branch's target.
+_SASS_INSTR = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
+_SASS_LABEL = re.compile(r"^(\.L_x_\d+):")
+_SASS_TARGET = re.compile(r"\bBRA `\((\.L_x_\d+)\)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +147,31 @@ def parse_ptxas(text: str) -> tuple[Kernel, ...]:
       kernels.append(Kernel(registers=int(m.group(1)), **current))
       current = None
   return tuple(kernels)
+
+
+def sass_loops(sass: str) -> list[tuple[str, ...]]:
+  """The loops of ``--sass`` output, shortest first: for each branch back to a label of its own function, the
+  instructions from that label to the branch (a loop's body with its inner loops; a wait's retry block placed after
+  the function's body gives one that reaches back from there)."""
+  instructions: list[str] = []
+  labels: dict[str, int] = {}
+  loops = []
+  for line in sass.splitlines():
+    if line.startswith(".text."):  # a function's labels are its own
+      labels = {}
+    if m := _SASS_LABEL.match(line):
+      labels[m.group(1)] = len(instructions)
+    elif m := _SASS_INSTR.match(line):
+      instructions.append(m.group(1))
+      if (target := _SASS_TARGET.search(m.group(1))) and target.group(1) in labels:
+        loops.append(tuple(instructions[labels[target.group(1)]:]))
+  return sorted(loops, key=len)
+
+
+def opcode(instruction: str) -> str:
+  """``LDL.LU`` of ``@!P1 LDL.LU R2, [R1+0x4]``."""
+  words = instruction.split()
+  return words[1] if words[0].startswith("@") else words[0]
 
 
 def entry_kernels(hlo_text: str) -> tuple[str, ...]:
