@@ -27,8 +27,8 @@ AOT = ROOT / ".aot"
 SPILL_BUDGET = {
     "kda_prefill_prep": (132, 136),  # the largest over the cases (T = 32768)
     "kda_prefill_combine": (88, 88),
-    # Most of its spills are where the full pages' loop hands over to the last page's masked loop (once per
-    # program); HOT_LOOP_SPILLS bounds those inside the full pages' loop.
+    # Most of these are where the full pages' loop hands over to the last page's masked loop (once per program);
+    # HOT_LOOP_SPILL_LOADS bounds those inside the full pages' loop.
     "mla_decode_wide": (244, 288),
     "mla_decode_narrow_fp8": (8, 4),
     "mla_decode_wide_fp8": (20, 44),
