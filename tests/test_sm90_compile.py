@@ -27,11 +27,11 @@ AOT = ROOT / ".aot"
 SPILL_BUDGET = {
     "kda_prefill_prep": (132, 136),  # the largest over the cases (T = 32768)
     "kda_prefill_combine": (88, 88),
-    # Most of these are where the full pages' loop hands over to the last page's masked loop (once per program);
-    # HOT_LOOP_SPILL_LOADS bounds those inside the full pages' loop.
+    # The 64-row kernels: most of these are where the full pages' loop hands over to the last page's masked loop
+    # (once per program); HOT_LOOP_SPILL_LOADS bounds those inside the full pages' loop.
     "mla_decode_wide": (244, 288),
     "mla_decode_narrow_fp8": (8, 4),
-    "mla_decode_wide_fp8": (20, 44),
+    "mla_decode_wide_fp8": (804, 832),
     "mla_prefill": (36, 100),
 }
 # The 64-row MLA kernels' page loop that runs on every full page (the shortest loop holding a page's QK, 36

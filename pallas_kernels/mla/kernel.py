@@ -516,10 +516,9 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     if scaled:  # the accumulator's unit (see page_step)
       carry += (plgpu.layout_cast(jnp.ones((rows,), jnp.float32), head_layout),)
     # The pages before full_pages hold PAGE_SIZE tokens each; a last page past seq_len, if any, is masked. Narrow
-    # (bound by HBM, not by this warpgroup) and the fp8 cache mask every page: a second loop body spills there (with
-    # 64-row tiles and fp8, inside the full pages' loop).
-    full_pages = 0 if narrow or fp8 else jnp.clip(seq_len // PAGE_SIZE - first_page, 0, num_pages)
-    if not (narrow or fp8):
+    # (bound by HBM, not by this warpgroup) masks every page: a second loop body there spills.
+    full_pages = 0 if narrow else jnp.clip(seq_len // PAGE_SIZE - first_page, 0, num_pages)
+    if not narrow:
       carry = lax.fori_loop(0, full_pages, functools.partial(page_step, masked=False), carry)
     carry = lax.fori_loop(full_pages, num_pages, functools.partial(page_step, masked=True), carry)
     acc, m, l = carry[:3]
