@@ -462,12 +462,9 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       if masked:  # only the page that reaches past seq_len pays for the mask
         token = plgpu.broadcasted_iota(jnp.int32, shape, token_axis, layout=plgpu.Layout.WGMMA)
         s = jnp.where(token < seq_len - page_start, s, -jnp.inf)
-      if scaled:
-        m_new = jnp.maximum(m, row_max(s))
-        p = jnp.exp2(s - along_heads(m_new, s.shape))
-      else:
-        m_new = jnp.maximum(m, row_max(s) * (scale * LOG2E))
-        p = jnp.exp2(s * (scale * LOG2E) - along_heads(m_new, s.shape))
+      logit_scale = 1.0 if scaled else scale * LOG2E  # a product by 1.0 folds away
+      m_new = jnp.maximum(m, row_max(s) * logit_scale)
+      p = jnp.exp2(s * logit_scale - along_heads(m_new, s.shape))
       alpha = jnp.exp2(m - m_new)
       if not scaled:
         # Rescaled here, beside P's exponentials, instead of in accumulate: the multiplies then issue with P's
