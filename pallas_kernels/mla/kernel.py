@@ -85,6 +85,14 @@ QK_CHUNK = 128
 # operations per pair make the f16 operands of V^T (the even and the odd latent columns) without a conversion
 # unit. ``e4m3_pair_to_f16`` gives each value times 2^-8 (F16_UNIT), which the accumulator's unit absorbs.
 F16_UNIT = 2.0 ** -8
+# The halves of the latent columns (each 256 columns, one pair of accumulators) whose V goes through Hopper's
+# conversion unit instead (``e4m3_pair_to_f16_cvt_registers``: exact values, unit 1), so that the integer pipes
+# and the conversion pipe share V's conversion.
+CVT_HALVES = (0,)
+# prmt.b32's selector that turns a register of two tokens' pairs (bytes: t even, t odd, t + 1 even, t + 1 odd)
+# into the even columns' two bytes, then the odd columns' two (bytes 0, 2, 1, 3: one hexadecimal digit each,
+# the lowest first).
+CVT_PAIR_ORDER = 0x3120
 
 
 def narrow_applies(num_heads: int, cache_dtype) -> bool:
@@ -167,6 +175,38 @@ class _Word:
 
   def __or__(self, other: "_Word") -> "_Word":
     return _Word(arith.ori(self.value, other.value))
+
+
+def e4m3_pair_to_f16_exact(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """uint16 words of two e4m3 bytes each as two f16 arrays of the same shape: the low bytes' and the high bytes'
+  values, exactly (unit 1; a NaN byte is NaN). Interpret mode's form of ``e4m3_pair_to_f16_cvt_registers``."""
+  return tuple(lax.bitcast_convert_type(byte.astype(jnp.uint8), cache_format.FP8).astype(jnp.float16)
+               for byte in (x & jnp.uint16(0xFF), x >> jnp.uint16(8)))
+
+
+def e4m3_pair_to_f16_cvt_registers(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``e4m3_pair_to_f16_exact`` of a WGMMA-layout uint16 array, on the GPU: per register (two uint16 words) one
+  byte permute (``CVT_PAIR_ORDER``) and two ``cvt.rn.f16x2.e4m3x2``, which run on the conversion unit where
+  ``e4m3_pair_to_f16_registers`` takes about five integer operations."""
+  layout = plgpu.Layout.WGMMA
+  out = plgpu.ShapeDtypeStruct(x.shape, jnp.float16, layout=layout)
+
+  @plgpu.inline_mgpu(arg_types=(layout,), return_type=(out, out))
+  def convert(_, words):
+    i32 = ir.IntegerType.get_signless(32)
+    halves = np.empty((2,) + words.registers.shape, object)
+    for idx, reg in np.ndenumerate(words.registers):
+      shape = ir.VectorType(reg.type).shape
+      pairs = mgpu_utils.inline_ptx(
+          "{\n.reg .b32 cvt_w;\n.reg .b16 cvt_lo, cvt_hi;\n"
+          f"prmt.b32 cvt_w, $2, 0, {CVT_PAIR_ORDER:#x};\nmov.b32 {{cvt_lo, cvt_hi}}, cvt_w;\n"
+          "cvt.rn.f16x2.e4m3x2 $0, cvt_lo;\ncvt.rn.f16x2.e4m3x2 $1, cvt_hi;\n}",
+          mgpu_utils.bitcast(reg, i32), result_types=(i32, i32))
+      for k, pair in enumerate(pairs):
+        halves[(k,) + idx] = mgpu_utils.bitcast(pair, ir.VectorType.get(shape, ir.F16Type.get()))
+    return tuple(mgpu.FragmentedArray(_registers=h, _layout=words.layout, _is_signed=None) for h in halves)
+
+  return convert(x)
 
 
 def e4m3_pair_to_f16_registers(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -285,15 +325,25 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
 
     return util.accumulate(pv, acc, from_inits=not smem_operands)[0]
 
-  def accumulate_fp8(acc, alpha, slot, w, p_ref, phases):
-    """``registers``: ``acc * alpha + V^T @ P^T`` over half w of the latent columns, V^T straight from the fp8
-    slot: a transposed load of its uint16 pairs (two tokens' pairs per register) gives the f16 operands of the
-    even and the odd columns (``e4m3_pair_to_f16``), so ``acc`` is a pair, those columns' ``[COLS / 2, rows]``
-    accumulators. The profiler sees the conversion and the products as two phases."""
+  def accumulate_fp8(acc, alpha, i, w, p_ref, phases):
+    """``registers``: ``acc * alpha + V^T @ P^T`` over half w of the latent columns of page i, V^T straight from
+    the fp8 slot: a transposed load of its uint16 pairs (two tokens' pairs per register) gives the f16 operands
+    of the even and the odd columns (``e4m3_pair_to_f16``, or with w in ``CVT_HALVES`` the exact values), so
+    ``acc`` is a pair, those columns' ``[COLS / 2, rows]`` accumulators. The profiler sees the conversion and the
+    products as two phases."""
     phases.start(f"wg1_v{w}_convert")
     acc = tuple(a * along_heads(alpha, a.shape) for a in acc)
+    slot = lax.rem(i, stages)
     pairs = plgpu.load(kv16_smem.at[slot, :, pl.ds(w * (COLS // 2), COLS // 2)].T, layout=plgpu.Layout.WGMMA)
-    operands = (e4m3_pair_to_f16 if a_smem else e4m3_pair_to_f16_registers)(pairs)
+    if w in CVT_HALVES:
+      # The conversion unit keeps a NaN byte NaN, which P = 0 would not cancel: the rows past seq_len of the
+      # last page (stale or poisoned) are zeroed first. The integer form makes such a byte finite instead.
+      tail = seq_len - (first_page + i) * PAGE_SIZE
+      token = plgpu.broadcasted_iota(jnp.int32, pairs.shape, 1, layout=plgpu.Layout.WGMMA)
+      pairs = lax.cond(tail < PAGE_SIZE, lambda x: jnp.where(token < tail, x, jnp.uint16(0)), lambda x: x, pairs)
+      operands = (e4m3_pair_to_f16_exact if a_smem else e4m3_pair_to_f16_cvt_registers)(pairs)
+    else:
+      operands = (e4m3_pair_to_f16 if a_smem else e4m3_pair_to_f16_registers)(pairs)
     if a_smem:  # interpret mode takes the products' operands from SMEM only
       for k, x in enumerate(operands):
         a_smem[0].at[w, k][...] = x
@@ -388,6 +438,8 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
 
   def epilogue(w, acc, inv_l):
     if registers:  # a row of the stage: an even column's heads, then the next odd column's (O^T's rows in order)
+      if w in CVT_HALVES:  # these accumulators hold V's values, not F16_UNIT times them
+        inv_l = inv_l * F16_UNIT
       for k, a in enumerate(acc):
         o_stage.at[w, :, pl.ds(k * rows, rows)][...] = (a * along_heads(inv_l, a.shape)).astype(o_stage.dtype)
     else:
@@ -535,7 +587,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     l = jnp.where(l == 0, jnp.where(num_pages > 0, jnp.nan, 0.0), l)
     empty = l == 0
     inv_l = jnp.where(empty, 0.0, 1.0 / l)
-    if scaled:  # registers: V's f16 operands are its values times F16_UNIT
+    if scaled:  # registers: the integer form's V is its values times F16_UNIT (the epilogue undoes it in CVT_HALVES)
       inv_l = inv_l * (v_scale / F16_UNIT if registers else v_scale)
     (inv_smem if registers else row_smem)[...] = inv_l
     lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l)) * LN2)
@@ -570,7 +622,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       phases.start("wg1_pv")
       alpha = plgpu.load(alpha_ref, layout=head_layout)
       if registers:
-        acc = tuple(accumulate_fp8(a, alpha, lax.rem(i, stages), w, p_ref, phases) for w, a in enumerate(acc))
+        acc = tuple(accumulate_fp8(a, alpha, i, w, p_ref, phases) for w, a in enumerate(acc))
       else:
         acc = accumulate(acc, alpha, tile, cols, p_ref)
       if registers:  # only where the leader awaits it (every phase is observed: see ``release``)
