@@ -112,6 +112,45 @@ def test_e4m3_pairs_in_32_bit_registers_match_the_16_bit_form():
       np.testing.assert_array_equal((odd >> np.uint32(half)) & np.uint32(0xFFFF), want_odd)
 
 
+def test_e4m3_pairs_exact_form_is_each_bytes_value():
+  """``e4m3_pair_to_f16_exact`` (interpret mode's form of the conversion unit's path): every uint16 word's low and
+  high bytes as their e4m3 values exactly, NaN bytes NaN, f16 of the input's shape."""
+  words = np.arange(2 ** 16, dtype=np.uint16)
+  got = mla_kernel.e4m3_pair_to_f16_exact(jnp.asarray(words))
+  for x, byte in zip(got, (words & 0xFF, words >> 8)):
+    assert x.dtype == jnp.float16 and x.shape == words.shape
+    want = byte.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    np.testing.assert_array_equal(np.asarray(x, np.float64), want)  # NaN where want is NaN
+
+
+def np_prmt(a: np.ndarray, b: np.ndarray, selector: int) -> np.ndarray:
+  """PTX ``prmt.b32 d, a, b, selector`` (default mode) on uint32 arrays: byte k of d is byte ``selector``'s
+  nibble k (its low 3 bits) of the eight bytes b:a, a's first."""
+  pool = (b.astype(np.uint64) << np.uint64(32)) | a.astype(np.uint64)
+  out = np.zeros_like(a, dtype=np.uint32)
+  for k in range(4):
+    src = (selector >> (4 * k)) & 7
+    out |= (((pool >> np.uint64(8 * src)) & np.uint64(0xFF)).astype(np.uint32)) << np.uint32(8 * k)
+  return out
+
+
+def test_cvt_pair_order_gives_one_column_of_two_tokens_per_half():
+  """The conversion unit's path permutes each register of two tokens' words (``CVT_PAIR_ORDER``) so that its low
+  16 bits are the even column of both tokens and its high 16 bits the odd column (each ``cvt.rn.f16x2.e4m3x2``
+  turns 16 bits into the f16 pair of one WGMMA register): the same values as the 16-bit form's even and odd
+  outputs of the two words, for random words in either half."""
+  rng = np.random.default_rng(11)
+  first, second = (rng.integers(0, 2 ** 16, 4096, dtype=np.uint32) for _ in range(2))
+  perm = np_prmt(first | (second << np.uint32(16)), np.zeros_like(first), mla_kernel.CVT_PAIR_ORDER)
+  exact = lambda w: [np.asarray(x, np.float64) for x in mla_kernel.e4m3_pair_to_f16_exact(
+      jnp.asarray(w.astype(np.uint16)))]
+  (even_t, odd_t), (even_u, odd_u) = exact(first), exact(second)
+  for half, (want_t, want_u) in ((perm & np.uint32(0xFFFF), (even_t, even_u)), (perm >> np.uint32(16), (odd_t, odd_u))):
+    got_t, got_u = exact(half)  # cvt's low f16 from the low byte (token t), its high f16 from the high byte
+    np.testing.assert_array_equal(got_t, want_t)
+    np.testing.assert_array_equal(got_u, want_u)
+
+
 def test_round_to_e4m3_is_the_e4m3_conversion_in_f32():
   """``round_to_e4m3`` (q_hi's rounding by integer operations) gives, bit for bit, what ml_dtypes' e4m3
   conversion gives: every finite e4m3 value, every midpoint between neighbours (ties to even) and the f32 values
