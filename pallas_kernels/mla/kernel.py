@@ -282,16 +282,6 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
   along_heads = lambda x, shape: lax.broadcast_in_dim(x, shape, (head_axis,))
   acc_shape = (COLS, rows) if narrow else (rows, COLS)  # one warpgroup's half of the output columns
 
-  def row_max(s):
-    """Each head's largest logit of a page (``s``: ``[rows, 64]``; narrow ``[64, rows]``). With 64-row tiles a
-    thread holds 16 logits of each of its rows: halving the columns (in registers, 8-column steps of the WGMMA
-    layout) takes 3 dependent maxima to 8 columns where the layout's reduction takes 8 in two chains."""
-    if not narrow:  # narrow: the tokens are rows, across the warps
-      while s.shape[1] > 8:
-        half = s.shape[1] // 2
-        s = jnp.maximum(s[:, :half], s[:, half:])
-    return s.max(axis=token_axis)
-
   def zero_v_tail(tile, cols, page_start, commit: bool):
     """Zeroes this warpgroup's V columns of the rows past ``seq_len`` (last page only; NaN-safe ``P @ V``), and
     with ``commit`` makes the zeros visible to the wgmma (the other pages need no fence)."""
@@ -508,16 +498,13 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
           s_latent, s_rope = (x[:, :rows] + x[:, rows:] * (1.0 / Q_LO_FACTOR) for x in (s_latent, s_rope))
         s = (s_latent * s_c + s_rope * s_pe) * (along_heads(q_scale, shape) if registers else scale * LOG2E)
       else:
-        # Unscaled: the row maximum starts on the wgmma's result, and the scale (> 0, so it commutes with the
-        # maximum) enters the exponent's argument as one FMA a logit.
-        s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+        s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32)) * (scale * LOG2E)
       if masked:  # only the page that reaches past seq_len pays for the mask
         token = plgpu.broadcasted_iota(jnp.int32, shape, token_axis, layout=plgpu.Layout.WGMMA)
         s = jnp.where(token < seq_len - page_start, s, -jnp.inf)
-      logit_scale = 1.0 if scaled else scale * LOG2E  # a product by 1.0 folds away
-      m_new = jnp.maximum(m, row_max(s) * logit_scale)
-      p = jnp.exp2(s * logit_scale - along_heads(m_new, s.shape))
+      m_new = jnp.maximum(m, s.max(axis=token_axis))
       alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s - along_heads(m_new, s.shape))
       if not scaled:
         # Rescaled here, beside P's exponentials, instead of in accumulate: the multiplies then issue with P's
         # stores, ahead of the fence and the arrival on p_ready (the barrier keeps LLVM from sinking them below).
