@@ -81,42 +81,10 @@ def split_q_logit_bound(q, rows: np.ndarray, table, lens) -> np.ndarray:
 
 
 def test_e4m3_pairs_become_f16_exactly():
-  """Every uint16 word: both bytes' e4m3 values times 2^-8 exactly (normal and subnormal), the NaN bytes a
-  finite 480 * 2^-8 (a row written with a NaN has a NaN scale instead: ``test_zero_and_non_finite_parts``)."""
+  """``e4m3_pair_to_f16`` (interpret mode's form of the GPU's byte permute and conversions): every uint16 word's
+  low and high bytes as their e4m3 values exactly, NaN bytes NaN, f16 of the input's shape."""
   words = np.arange(2 ** 16, dtype=np.uint16)
-  low, high = (np.asarray(x, np.float64) for x in mla_kernel.e4m3_pair_to_f16(jnp.asarray(words)))
-  for got, byte in ((low, words & 0xFF), (high, words >> 8)):
-    want = byte.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    nan = np.isnan(want)
-    assert nan.sum() == 2 * 256
-    np.testing.assert_array_equal(got[~nan], want[~nan] * mla_kernel.F16_UNIT)
-    np.testing.assert_array_equal(np.abs(got[nan]), 480 * mla_kernel.F16_UNIT)
-
-
-def test_e4m3_pairs_in_32_bit_registers_match_the_16_bit_form():
-  """The GPU converts a register of two uint16 words at once (``e4m3_pair_to_f16_registers``: the formula on the
-  32-bit register, its masks in both halves): the same bits as the 16-bit form for every word in either half,
-  whatever the other half holds (a carry or a shift across the halves would show)."""
-  rng = np.random.default_rng(7)
-  words = np.arange(2 ** 16, dtype=np.uint32)
-  other = rng.integers(0, 2 ** 16, words.shape, dtype=np.uint32)
-  sign, body = mla_kernel.F16_SIGN * 0x10001, mla_kernel.F16_BODY * 0x10001
-  for low16, high16 in ((words, other), (other, words)):
-    reg = low16 | (high16 << np.uint32(16))
-    even = mla_kernel.high_bytes_to_f16(reg << np.uint32(8), sign, body)
-    odd = mla_kernel.high_bytes_to_f16(reg, sign, body)
-    for half, word in ((0, low16), (16, high16)):
-      want_even, want_odd = (np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint16)).astype(np.uint32)
-                             for x in mla_kernel.e4m3_pair_to_f16(jnp.asarray(word, jnp.uint16)))
-      np.testing.assert_array_equal((even >> np.uint32(half)) & np.uint32(0xFFFF), want_even)
-      np.testing.assert_array_equal((odd >> np.uint32(half)) & np.uint32(0xFFFF), want_odd)
-
-
-def test_e4m3_pairs_exact_form_is_each_bytes_value():
-  """``e4m3_pair_to_f16_exact`` (interpret mode's form of the conversion unit's path): every uint16 word's low and
-  high bytes as their e4m3 values exactly, NaN bytes NaN, f16 of the input's shape."""
-  words = np.arange(2 ** 16, dtype=np.uint16)
-  got = mla_kernel.e4m3_pair_to_f16_exact(jnp.asarray(words))
+  got = mla_kernel.e4m3_pair_to_f16(jnp.asarray(words))
   for x, byte in zip(got, (words & 0xFF, words >> 8)):
     assert x.dtype == jnp.float16 and x.shape == words.shape
     want = byte.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
@@ -135,14 +103,14 @@ def np_prmt(a: np.ndarray, b: np.ndarray, selector: int) -> np.ndarray:
 
 
 def test_cvt_pair_order_gives_one_column_of_two_tokens_per_half():
-  """The conversion unit's path permutes each register of two tokens' words (``CVT_PAIR_ORDER``) so that its low
+  """The GPU permutes each register of two tokens' words (``CVT_PAIR_ORDER``) so that its low
   16 bits are the even column of both tokens and its high 16 bits the odd column (each ``cvt.rn.f16x2.e4m3x2``
-  turns 16 bits into the f16 pair of one WGMMA register): the same values as the 16-bit form's even and odd
+  turns 16 bits into the f16 pair of one WGMMA register): the same values as ``e4m3_pair_to_f16``'s even and odd
   outputs of the two words, for random words in either half."""
   rng = np.random.default_rng(11)
   first, second = (rng.integers(0, 2 ** 16, 4096, dtype=np.uint32) for _ in range(2))
   perm = np_prmt(first | (second << np.uint32(16)), np.zeros_like(first), mla_kernel.CVT_PAIR_ORDER)
-  exact = lambda w: [np.asarray(x, np.float64) for x in mla_kernel.e4m3_pair_to_f16_exact(
+  exact = lambda w: [np.asarray(x, np.float64) for x in mla_kernel.e4m3_pair_to_f16(
       jnp.asarray(w.astype(np.uint16)))]
   (even_t, odd_t), (even_u, odd_u) = exact(first), exact(second)
   for half, (want_t, want_u) in ((perm & np.uint32(0xFFFF), (even_t, even_u)), (perm >> np.uint32(16), (odd_t, odd_u))):

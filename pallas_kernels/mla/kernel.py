@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import arith
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental import pallas as pl
@@ -81,17 +80,10 @@ Q_LO_FACTOR = 16.0
 # error grows with the sum a chain of products adds onto. QK adds the latent columns' products in QK_CHUNK columns
 # per accumulator (4 wgmma steps of 32) and those in f32, as that report's kernels promote every 128.
 QK_CHUNK = 128
-# The pages' bytes as uint16 pairs: a transposed 16-bit load puts two tokens' pairs in a register, and two bit
-# operations per pair make the f16 operands of V^T (the even and the odd latent columns) without a conversion
-# unit. ``e4m3_pair_to_f16`` gives each value times 2^-8 (F16_UNIT), which the accumulator's unit absorbs.
-F16_UNIT = 2.0 ** -8
-# The halves of the latent columns (each 256 columns, one pair of accumulators) whose V goes through Hopper's
-# conversion unit instead (``e4m3_pair_to_f16_cvt_registers``: exact values, unit 1), so that the integer pipes
-# and the conversion pipe share V's conversion.
-CVT_HALVES = (0,)
-# prmt.b32's selector that turns a register of two tokens' pairs (bytes: t even, t odd, t + 1 even, t + 1 odd)
-# into the even columns' two bytes, then the odd columns' two (bytes 0, 2, 1, 3: one hexadecimal digit each,
-# the lowest first).
+# The pages' bytes as uint16 pairs: a transposed 16-bit load puts two tokens' pairs in a register (bytes: t even,
+# t odd, t + 1 even, t + 1 odd), and a byte permute by this prmt.b32 selector (bytes 0, 2, 1, 3, the lowest digit
+# first) gives the even column's two bytes, then the odd column's: each 16 bits convert to one f16 register of
+# V^T's operands (``e4m3_pair_to_f16_registers``).
 CVT_PAIR_ORDER = 0x3120
 
 
@@ -130,64 +122,16 @@ def round_to_e4m3(x: jax.Array) -> jax.Array:
   return jnp.where(jnp.isnan(x), x, jnp.where(jnp.abs(x) < 2.0 ** -6, subnormal, normal))
 
 
-# f16's sign bit, and its bits 13..7 where a byte's 4 exponent and 3 mantissa bits go
-F16_SIGN, F16_BODY = 0x8000, 0x3F80
-
-
-def high_bytes_to_f16(z, sign, body):
-  """The high byte of each 16-bit half of ``z`` (``s eeee mmm``) as the f16 bits of its e4m3 value times
-  ``F16_UNIT`` (2^-8), exactly: the sign stays at bit 15 and the other 7 bits move to f16's bits 13..7, which is
-  ``2^(e - 15) (1 + m / 8)`` for e > 0 and ``2^-14 m / 8`` for e = 0, against e4m3's ``2^(e - 7) ...`` and
-  ``2^-6 m / 8``. ``sign`` and ``body`` are ``F16_SIGN`` and ``F16_BODY`` in every 16-bit half of z's type; z
-  takes ``&``, ``|`` and ``>>`` (a uint16 or uint32 array, or ``_Word``). e4m3's NaN byte becomes 480 (times
-  2^-8): a cache row written with a NaN has a NaN scale, which makes that token's logits and P NaN, and a NaN byte
-  in a row past the sequence meets P = 0 as a finite value."""
-  return (z & sign) | ((z >> 1) & body)
-
-
 def e4m3_pair_to_f16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """uint16 words of two e4m3 bytes each as two f16 arrays of the same shape: the low bytes' and the high bytes'
-  values, each times ``F16_UNIT`` (``high_bytes_to_f16``). Interpret mode's form; the GPU takes
-  ``e4m3_pair_to_f16_registers``, the same bits from fewer instructions."""
-  sign, body = jnp.uint16(F16_SIGN), jnp.uint16(F16_BODY)
-  low = high_bytes_to_f16(x << jnp.uint16(8), sign, body)
-  high = high_bytes_to_f16(x, sign, body)
-  return lax.bitcast_convert_type(low, jnp.float16), lax.bitcast_convert_type(high, jnp.float16)
-
-
-class _Word:
-  """A 32-bit MLIR integer with the operators ``high_bytes_to_f16`` uses (shifts and masks by constants)."""
-
-  def __init__(self, value):
-    self.value = value
-
-  def _const(self, n: int):
-    return mgpu_utils.c(n, self.value.type)
-
-  def __lshift__(self, n: int) -> "_Word":
-    return _Word(arith.shli(self.value, self._const(n)))
-
-  def __rshift__(self, n: int) -> "_Word":
-    return _Word(arith.shrui(self.value, self._const(n)))
-
-  def __and__(self, mask: int) -> "_Word":
-    return _Word(arith.andi(self.value, self._const(mask)))
-
-  def __or__(self, other: "_Word") -> "_Word":
-    return _Word(arith.ori(self.value, other.value))
-
-
-def e4m3_pair_to_f16_exact(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """uint16 words of two e4m3 bytes each as two f16 arrays of the same shape: the low bytes' and the high bytes'
-  values, exactly (unit 1; a NaN byte is NaN). Interpret mode's form of ``e4m3_pair_to_f16_cvt_registers``."""
+  values, exactly (e4m3 -> f16 is; a NaN byte is NaN). Interpret mode's form of ``e4m3_pair_to_f16_registers``."""
   return tuple(lax.bitcast_convert_type(byte.astype(jnp.uint8), cache_format.FP8).astype(jnp.float16)
                for byte in (x & jnp.uint16(0xFF), x >> jnp.uint16(8)))
 
 
-def e4m3_pair_to_f16_cvt_registers(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``e4m3_pair_to_f16_exact`` of a WGMMA-layout uint16 array, on the GPU: per register (two uint16 words) one
-  byte permute (``CVT_PAIR_ORDER``) and two ``cvt.rn.f16x2.e4m3x2``, which run on the conversion unit where
-  ``e4m3_pair_to_f16_registers`` takes about five integer operations."""
+def e4m3_pair_to_f16_registers(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``e4m3_pair_to_f16`` of a WGMMA-layout uint16 array, on the GPU: per register (two uint16 words) one byte
+  permute (``CVT_PAIR_ORDER``) and two ``cvt.rn.f16x2.e4m3x2``."""
   layout = plgpu.Layout.WGMMA
   out = plgpu.ShapeDtypeStruct(x.shape, jnp.float16, layout=layout)
 
@@ -205,31 +149,6 @@ def e4m3_pair_to_f16_cvt_registers(x: jax.Array) -> tuple[jax.Array, jax.Array]:
       for k, pair in enumerate(pairs):
         halves[(k,) + idx] = mgpu_utils.bitcast(pair, ir.VectorType.get(shape, ir.F16Type.get()))
     return tuple(mgpu.FragmentedArray(_registers=h, _layout=words.layout, _is_signed=None) for h in halves)
-
-  return convert(x)
-
-
-def e4m3_pair_to_f16_registers(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``e4m3_pair_to_f16`` of a WGMMA-layout uint16 array, on the GPU: each register holds two uint16 words, and
-  the formula runs on the whole 32-bit register. On a uint16 array Pallas lowers the shifts one 16-bit word at a
-  time, with the words unpacked and packed around them; here each shift and mask acts on both words at once."""
-  layout = plgpu.Layout.WGMMA
-  out = plgpu.ShapeDtypeStruct(x.shape, jnp.float16, layout=layout)
-
-  @plgpu.inline_mgpu(arg_types=(layout,), return_type=(out, out))
-  def convert(_, words):
-    i32 = ir.IntegerType.get_signless(32)
-    sign, body = F16_SIGN * 0x10001, F16_BODY * 0x10001  # in both halves of the register
-    result = []
-    for shift in (8, 0):  # the low bytes moved up to the high ones, then the high bytes as they are
-      regs = np.empty_like(words.registers)
-      for idx, reg in np.ndenumerate(words.registers):
-        shape = ir.VectorType(reg.type).shape
-        word = _Word(mgpu_utils.bitcast(reg, i32))
-        f16 = high_bytes_to_f16(word << shift if shift else word, sign, body)
-        regs[idx] = mgpu_utils.bitcast(f16.value, ir.VectorType.get(shape, ir.F16Type.get()))
-      result.append(mgpu.FragmentedArray(_registers=regs, _layout=words.layout, _is_signed=None))
-    return tuple(result)
 
   return convert(x)
 
@@ -318,22 +237,18 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
   def accumulate_fp8(acc, alpha, i, w, p_ref, phases):
     """``registers``: ``acc * alpha + V^T @ P^T`` over half w of the latent columns of page i, V^T straight from
     the fp8 slot: a transposed load of its uint16 pairs (two tokens' pairs per register) gives the f16 operands
-    of the even and the odd columns (``e4m3_pair_to_f16``, or with w in ``CVT_HALVES`` the exact values), so
-    ``acc`` is a pair, those columns' ``[COLS / 2, rows]`` accumulators. The profiler sees the conversion and the
-    products as two phases."""
+    of the even and the odd columns (``e4m3_pair_to_f16``), so ``acc`` is a pair, those columns' ``[COLS / 2,
+    rows]`` accumulators. The profiler sees the conversion and the products as two phases."""
     phases.start(f"wg1_v{w}_convert")
     acc = tuple(a * along_heads(alpha, a.shape) for a in acc)
     slot = lax.rem(i, stages)
     pairs = plgpu.load(kv16_smem.at[slot, :, pl.ds(w * (COLS // 2), COLS // 2)].T, layout=plgpu.Layout.WGMMA)
-    if w in CVT_HALVES:
-      # The conversion unit keeps a NaN byte NaN, which P = 0 would not cancel: the rows past seq_len of the
-      # last page (stale or poisoned) are zeroed first. The integer form makes such a byte finite instead.
-      tail = seq_len - (first_page + i) * PAGE_SIZE
-      token = plgpu.broadcasted_iota(jnp.int32, pairs.shape, 1, layout=plgpu.Layout.WGMMA)
-      pairs = lax.cond(tail < PAGE_SIZE, lambda x: jnp.where(token < tail, x, jnp.uint16(0)), lambda x: x, pairs)
-      operands = (e4m3_pair_to_f16_exact if a_smem else e4m3_pair_to_f16_cvt_registers)(pairs)
-    else:
-      operands = (e4m3_pair_to_f16 if a_smem else e4m3_pair_to_f16_registers)(pairs)
+    # A NaN byte converts to NaN, which P = 0 would not cancel: the rows past seq_len of the last page (stale
+    # or poisoned) are zeroed first.
+    tail = seq_len - (first_page + i) * PAGE_SIZE
+    token = plgpu.broadcasted_iota(jnp.int32, pairs.shape, 1, layout=plgpu.Layout.WGMMA)
+    pairs = lax.cond(tail < PAGE_SIZE, lambda x: jnp.where(token < tail, x, jnp.uint16(0)), lambda x: x, pairs)
+    operands = (e4m3_pair_to_f16 if a_smem else e4m3_pair_to_f16_registers)(pairs)
     if a_smem:  # interpret mode takes the products' operands from SMEM only
       for k, x in enumerate(operands):
         a_smem[0].at[w, k][...] = x
@@ -428,8 +343,6 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
 
   def epilogue(w, acc, inv_l):
     if registers:  # a row of the stage: an even column's heads, then the next odd column's (O^T's rows in order)
-      if w in CVT_HALVES:  # these accumulators hold V's values, not F16_UNIT times them
-        inv_l = inv_l * F16_UNIT
       for k, a in enumerate(acc):
         o_stage.at[w, :, pl.ds(k * rows, rows)][...] = (a * along_heads(inv_l, a.shape)).astype(o_stage.dtype)
     else:
@@ -574,8 +487,8 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     l = jnp.where(l == 0, jnp.where(num_pages > 0, jnp.nan, 0.0), l)
     empty = l == 0
     inv_l = jnp.where(empty, 0.0, 1.0 / l)
-    if scaled:  # registers: the integer form's V is its values times F16_UNIT (the epilogue undoes it in CVT_HALVES)
-      inv_l = inv_l * (v_scale / F16_UNIT if registers else v_scale)
+    if scaled:
+      inv_l = inv_l * v_scale
     (inv_smem if registers else row_smem)[...] = inv_l
     lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l)) * LN2)
     plgpu.commit_smem()
