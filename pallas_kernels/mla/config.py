@@ -42,9 +42,9 @@ class MlaDecodeTuning:
     fp8_in_registers: the narrow kernel over an fp8 cache only. True: the pages stay fp8 in shared memory, QK
       runs on their e4m3 values against q split into two e4m3 parts, and ``P @ V`` converts V to f16 in
       registers, so no f16 copy of a page is written or read. None or False: each page is converted into an f16
-      ring first (the default until the H200 has timed both paths again: the ring was the faster there, and
-      since the registers path converts V on whole 32-bit registers it is the faster on an H100;
-      ``benchmarks/mla_decode.py --fp8-paths`` times both).
+      ring first (the default until an H200 has timed both paths again: the ring was the faster on the one
+      H200 that timed both, before the registers path's last changes; on an H100 the registers path is the
+      faster; ``benchmarks/mla_decode.py --fp8-paths`` times both).
   """
 
   num_splits: int | None = None
