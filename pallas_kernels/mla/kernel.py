@@ -7,11 +7,11 @@ the sequence's pages by TMA into a two-slot ring that two compute warpgroups sha
 tiles the compute warpgroups dequantise each page into one bf16 tile; in the narrow kernel the memory warpgroup
 (and for each page's last piece the follower) converts it to f16 unscaled into the ring (e4m3 -> f16 is exact
 and one instruction per two values), q is taken in f16 (a q beyond f16's 65,504 gives inf, so NaN outputs), and
-the leader applies the per-token scales to the logits and to P. Opt-in (``registers``), the narrow kernel keeps
-the fp8 page as it lands: the leader runs QK on its e4m3 values (q split into two e4m3 parts) and the softmax,
-and the follower converts V to f16 in registers and runs all of ``P @ V`` beside the leader's next page, so no f16
-copy of the page is written or read. See README.md for the derivation, the NaN rules, the fp8 pages and the
-SMEM budget.
+the leader applies the per-token scales to the logits and to P. By default (``registers``) the narrow kernel
+keeps the fp8 page as it lands instead: the leader runs QK on its e4m3 values (q split into two e4m3 parts) and
+the softmax, and the follower converts V to f16 in registers and runs all of ``P @ V`` beside the leader's next
+page, so no f16 copy of the page is written or read. See README.md for the derivation, the NaN rules, the fp8
+pages and the SMEM budget.
 """
 
 import functools
@@ -66,10 +66,10 @@ PIECE_SLOTS = MEM_SLOTS + 1  # the last one: the follower's
 # The converter's register layout: 4 consecutive values of a row per thread, so a 4-byte load per 4 fp8 values
 # and an 8-byte store per 4 f16 values (the WGMMA layout moves 2 values per load and per store).
 CONVERT_LAYOUT = plgpu.Layout.WGMMA_UPCAST_2X
-# fp8 pages in registers (narrow, opt-in): four fp8 slots of [64, 576] fit where two f16 ones did, so four pages
-# are in flight. q goes in as two e4m3 parts, q = s_q (q_hi + q_lo / Q_LO_FACTOR) per head: |q / s_q| <= 448 leaves
-# a remainder of at most 448 / 16, so q_lo = e4m3(remainder * 16) stays in range and the pair carries about 8 bits
-# of each element, near bf16's.
+# fp8 pages in registers (narrow, the default there): four fp8 slots of [64, 576] fit where two f16 ones did, so
+# four pages are in flight. q goes in as two e4m3 parts, q = s_q (q_hi + q_lo / Q_LO_FACTOR) per head: |q / s_q| <=
+# 448 leaves a remainder of at most 448 / 16, so q_lo = e4m3(remainder * 16) stays in range and the pair carries
+# about 8 bits of each element, near bf16's.
 REG_STAGES = 4
 # ``registers``: the leader runs QK and the softmax only and the follower all of ``P @ V``, so that the two run side by
 # side; P and alpha go through HANDOFFS buffers, so the leader's next page need not wait for the follower's products.
