@@ -30,7 +30,7 @@ its own bytes (``B * context * 640``), ``vs bf16`` is the bf16 cache's time over
 dtype, same run) and ``fp8 err`` its output's relative RMS difference from the bf16 cache's (the e4m3 rounding).
 The XLA path and FlashMLA (whose fp8 decode is sparse-only) run on the bf16 cache only. ``--fp8-paths ring
 registers`` times both ways the narrow kernel reads an fp8 page (``MlaDecodeTuning.fp8_in_registers``: each page
-converted into an f16 ring, the default, or kept fp8 with V converted in registers); the cache column names the
+converted into an f16 ring, or kept fp8 with V converted in registers, the default); the cache column names the
 path (``fp8 ring``, ``fp8 registers``).
 
 Peer: FlashMLA (deepseek-ai/FlashMLA 9241ae3, its sm90a dense bf16 decode through its own
@@ -294,9 +294,9 @@ def main() -> None:
   parser.add_argument("--layouts", nargs="+", choices=("balanced", "equal"), default=["equal"],
                       help="split layouts to time: equal splits of the block table's columns (the default) or "
                            "spread by pages (`MlaDecodeTuning.balanced`)")
-  parser.add_argument("--fp8-paths", nargs="+", choices=("ring", "registers"), default=["ring"],
-                      help="how the narrow kernel reads an fp8 page: converted into an f16 ring (the default) or "
-                           "kept fp8 with V converted in registers (`MlaDecodeTuning.fp8_in_registers`)")
+  parser.add_argument("--fp8-paths", nargs="+", choices=("ring", "registers"), default=["registers"],
+                      help="how the narrow kernel reads an fp8 page: converted into an f16 ring or kept fp8 with V "
+                           "converted in registers (`MlaDecodeTuning.fp8_in_registers`; the default)")
   add_resident_pages_argument(parser)
   parser.add_argument("--wide", action="store_true",
                       help="the 64-row head tiles everywhere (the default tuning takes the narrow, transposed "

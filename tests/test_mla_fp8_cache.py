@@ -25,7 +25,7 @@ from test_model import T, Runner, tokens_for
 
 from k3jax import ops
 from k3jax.cache import init_cache
-from pallas_kernels.mla import MlaDecodeConfig, MlaDecodeTuning, cache_format, mla_decode
+from pallas_kernels.mla import MlaDecodeConfig, MlaDecodeTuning, api, cache_format, mla_decode
 from pallas_kernels.mla import kernel as mla_kernel
 from pallas_kernels.mla.config import LATENT_DIM, PAGE_SIZE, ROPE_DIM
 from pallas_kernels.testing import K3_MLA_SCALE, mla_decode_oracle, mla_paged_inputs
@@ -546,6 +546,28 @@ def test_narrow_kernel_refuses_an_fp8_cache_past_16_heads():
   with pytest.raises(NotImplementedError, match="16 with an fp8 one, got q_abs with 17 .* float8_e4m3fn kv_cache"):
     mla_decode(jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(table), jnp.asarray(lens),
                config=MlaDecodeConfig(scale=K3_MLA_SCALE, impl="interpret", tuning=MlaDecodeTuning(narrow=True)))
+
+
+def test_fp8_pages_stay_in_registers_by_default_where_the_narrow_kernel_reads_them():
+  """``default_tuning``: ``fp8_in_registers`` wherever the narrow kernel reads an fp8 cache (Hq <= 16), nowhere
+  else; ``mla_decode`` without a tuning takes that path (the same bits as asking for it), and a tuning that asks
+  for the 64-row tiles over an fp8 cache leaves it off instead of refusing."""
+  for heads, dtype, want in ((16, FP8, True), (17, FP8, False), (16, jnp.bfloat16, False)):
+    tuning = api.default_tuning(2, heads, 8, cache_dtype=dtype)
+    assert tuning.fp8_in_registers is want and tuning.narrow is (heads <= 16 or dtype == jnp.bfloat16)
+  rng = np.random.default_rng(6)
+  q, rows, table, lens = _decode_case(rng, [70, 0, 1], heads=8)
+  args = (jnp.asarray(q, jnp.bfloat16), cache_format.quantize_rows(jnp.asarray(rows, jnp.float32), FP8, LATENT_DIM),
+          jnp.asarray(table), jnp.asarray(lens))
+  run = lambda tuning: [np.asarray(x) for x in mla_decode(
+      *args, config=MlaDecodeConfig(scale=K3_MLA_SCALE, impl="interpret", tuning=tuning))]
+  by_default, asked = run(None), run(MlaDecodeTuning(fp8_in_registers=True))
+  for got, want in zip(by_default, asked):
+    np.testing.assert_array_equal(got, want)
+  ring = run(MlaDecodeTuning(fp8_in_registers=False))
+  assert not all(np.array_equal(a, b) for a, b in zip(ring, asked))  # the two paths round differently
+  wide = run(MlaDecodeTuning(narrow=False))
+  np.testing.assert_allclose(wide[0].astype(np.float32), ring[0].astype(np.float32), atol=2e-2)
 
 
 def test_fp8_in_registers_needs_the_narrow_kernel_over_an_fp8_cache():

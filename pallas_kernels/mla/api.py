@@ -41,12 +41,14 @@ def default_tuning(batch: int, num_heads: int, max_pages: int, *,
     cache_dtype: the kv_cache's dtype (bf16 or fp8; ``kernel.narrow_applies`` says up to how many heads).
 
   Returns:
-    ``MlaDecodeTuning`` with ``num_splits`` from ``choose_num_splits``, and ``narrow`` True wherever the narrow
+    ``MlaDecodeTuning`` with ``num_splits`` from ``choose_num_splits``, ``narrow`` True wherever the narrow
     kernel applies (``kernel.narrow_applies``): there it skips the padding rows of the 64-row head tile, so its
-    page loads, not its matrix work, bound each page.
+    page loads, not its matrix work, bound each page; and ``fp8_in_registers`` True wherever the narrow kernel
+    takes an fp8 cache (no f16 copy of the pages: the faster path, ``benchmarks/RESULTS.md``).
   """
   narrow = kernel.narrow_applies(num_heads, cache_dtype)
-  return MlaDecodeTuning(num_splits=choose_num_splits(batch, num_heads, max_pages), narrow=narrow)
+  return MlaDecodeTuning(num_splits=choose_num_splits(batch, num_heads, max_pages), narrow=narrow,
+                         fp8_in_registers=narrow and cache_format.is_fp8(cache_dtype))
 
 
 def effective_num_splits(max_pages: int, num_splits: int) -> int:
@@ -126,7 +128,9 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
   # (or its default) asks, and the balanced splits where the tuning asks for them.
   narrow = config.impl != "xla" and (defaults.narrow if tuning.narrow is None else tuning.narrow)
   balanced = config.impl != "xla" and tuning.balanced is True
-  fp8_in_registers = config.impl != "xla" and tuning.fp8_in_registers is True
+  # The default keeps fp8 pages in registers wherever the narrow kernel (as asked, or by default) reads an fp8 cache.
+  fp8_in_registers = config.impl != "xla" and (narrow and cache_format.is_fp8(kv_cache.dtype)
+                                               if tuning.fp8_in_registers is None else tuning.fp8_in_registers)
   if narrow and not kernel.narrow_applies(num_heads, kv_cache.dtype):
     raise NotImplementedError(f"mla_decode tuning.narrow=True takes at most {kernel.NARROW_MAX_HEADS} query "
                               f"heads with a bf16 kv_cache and {kernel.FP8_NARROW_MAX_HEADS} with an fp8 one, got "

@@ -41,10 +41,9 @@ class MlaDecodeTuning:
       sequence (the default until both layouts are timed on the GPU: ``benchmarks/mla_decode.py --layouts``).
     fp8_in_registers: the narrow kernel over an fp8 cache only. True: the pages stay fp8 in shared memory, QK
       runs on their e4m3 values against q split into two e4m3 parts, and ``P @ V`` converts V to f16 in
-      registers, so no f16 copy of a page is written or read. None or False: each page is converted into an f16
-      ring first (the default until an H200 has timed both paths again: the ring was the faster on the one
-      H200 that timed both, before the registers path's last changes; on an H100 the registers path is the
-      faster; ``benchmarks/mla_decode.py --fp8-paths`` times both).
+      registers, so no f16 copy of a page is written or read. False: each page is converted into an f16 ring
+      first. None takes ``mla.api.default_tuning``'s: True wherever the narrow kernel reads an fp8 cache
+      (``benchmarks/mla_decode.py --fp8-paths`` times both).
   """
 
   num_splits: int | None = None

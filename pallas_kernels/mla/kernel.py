@@ -7,11 +7,11 @@ the sequence's pages by TMA into a two-slot ring that two compute warpgroups sha
 tiles the compute warpgroups dequantise each page into one bf16 tile; in the narrow kernel the memory warpgroup
 (and for each page's last piece the follower) converts it to f16 unscaled into the ring (e4m3 -> f16 is exact
 and one instruction per two values), q is taken in f16 (a q beyond f16's 65,504 gives inf, so NaN outputs), and
-the leader applies the per-token scales to the logits and to P. Opt-in (``registers``), the narrow kernel keeps
-the fp8 page as it lands: the leader runs QK on its e4m3 values (q split into two e4m3 parts) and the softmax,
-and the follower converts V to f16 in registers and runs all of ``P @ V`` beside the leader's next page, so no f16
-copy of the page is written or read. See README.md for the derivation, the NaN rules, the fp8 pages and the
-SMEM budget.
+the leader applies the per-token scales to the logits and to P. By default (``registers``) the narrow kernel
+keeps the fp8 page as it lands instead: the leader runs QK on its e4m3 values (q split into two e4m3 parts) and
+the softmax, and the follower converts V to f16 in registers and runs all of ``P @ V`` beside the leader's next
+page, so no f16 copy of the page is written or read. See README.md for the derivation, the NaN rules, the fp8
+pages and the SMEM budget.
 """
 
 import functools
@@ -66,10 +66,10 @@ PIECE_SLOTS = MEM_SLOTS + 1  # the last one: the follower's
 # The converter's register layout: 4 consecutive values of a row per thread, so a 4-byte load per 4 fp8 values
 # and an 8-byte store per 4 f16 values (the WGMMA layout moves 2 values per load and per store).
 CONVERT_LAYOUT = plgpu.Layout.WGMMA_UPCAST_2X
-# fp8 pages in registers (narrow, opt-in): four fp8 slots of [64, 576] fit where two f16 ones did, so four pages
-# are in flight. q goes in as two e4m3 parts, q = s_q (q_hi + q_lo / Q_LO_FACTOR) per head: |q / s_q| <= 448 leaves
-# a remainder of at most 448 / 16, so q_lo = e4m3(remainder * 16) stays in range and the pair carries about 8 bits
-# of each element, near bf16's.
+# fp8 pages in registers (narrow, the default there): four fp8 slots of [64, 576] fit where two f16 ones did, so
+# four pages are in flight. q goes in as two e4m3 parts, q = s_q (q_hi + q_lo / Q_LO_FACTOR) per head: |q / s_q| <=
+# 448 leaves a remainder of at most 448 / 16, so q_lo = e4m3(remainder * 16) stays in range and the pair carries
+# about 8 bits of each element, near bf16's.
 REG_STAGES = 4
 # ``registers``: the leader runs QK and the softmax only and the follower all of ``P @ V``, so that the two run side by
 # side; P and alpha go through HANDOFFS buffers, so the leader's next page need not wait for the follower's products.
@@ -437,7 +437,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       if scaled:
         # The latent scales enter P @ V through P, relative to the page's largest (so P stays in [0, 1], clear of
         # f16's subnormals); the accumulator is kept in units of the current page's largest scale, hence alpha's
-        # extra factor. The follower's page_scales wrote both (the ratios are 0 past seq_len, where P is 0 too).
+        # extra factor. page_scales wrote both (the ratios are 0 past seq_len, where P is 0 too).
         p = p * lax.broadcast_in_dim(plgpu.load(ring_scales.at[slot, 2], layout=TOKEN_LAYOUT), shape, (0,))
         page_scale = plgpu.load(ring_scales.at[slot, 3, pl.ds(0, rows)], layout=head_layout)
         alpha = alpha * (v_scale / page_scale)
@@ -513,9 +513,6 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       if convert:  # while the leader computes QK and the softmax of page i
         phases.start("wg1_convert")
         pl.when(i + 1 < num_pages)(lambda: convert_last_piece(i + 1))
-      if registers:
-        phases.start("wg1_scales")
-        pl.when(i + 1 < num_pages)(lambda: scales_ahead(i + 1))
       p_ref, alpha_ref, p_ready, p_free = handoff(i)
       phases.start("wg1_p_wait")
       plgpu.barrier_wait(p_ready)
@@ -535,8 +532,6 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
 
     if convert:
       pl.when(num_pages > 0)(lambda: convert_last_piece(0))
-    if registers:
-      pl.when(num_pages > 0)(lambda: scales_ahead(0))
     acc = lax.fori_loop(0, num_pages, page_step, (zero_acc(), zero_acc()) if registers else zero_acc())
     plgpu.barrier_wait(fin_bar if registers else p_ready_bar)  # the leader's 1 / l; it is done with the ring
     inv_l = plgpu.load(inv_smem if registers else row_smem, layout=head_layout)
@@ -578,9 +573,10 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       kv_smem.at[slot, :, pl.ds((p * PIECE_CHUNKS + k) * FP8_CHUNK, FP8_CHUNK)][...] = x
 
   def page_scales(slot, page_start):
-    """fp8, narrow, on the follower: a page's scale vectors beside its ring slot, for the leader: the latent and
-    the rope scales (rows 0 and 1, for S), the latent scales over their largest on the page's valid rows (row 2,
-    0 past ``seq_len``, for P) and that largest, repeated (row 3, for alpha). A NaN scale propagates to all."""
+    """fp8, narrow (on the follower; ``registers``: on the memory warpgroup): a page's scale vectors beside its
+    ring slot, for the leader: the latent and the rope scales (rows 0 and 1, for S), the latent scales over their
+    largest on the page's valid rows (row 2, 0 past ``seq_len``, for P) and that largest, repeated (row 3, for
+    alpha). A NaN scale propagates to all."""
     plgpu.barrier_wait(scale_bar.at[slot])
     s_c, s_pe, s_valid = row_scales(piece_scales.at[slot], seq_len - page_start)
     # The largest over the rows of all four warps without the reduction scratch, which the leader's softmax uses
@@ -611,10 +607,11 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     pl.when(i + 1 < num_pages)(functools.partial(issue_piece, i + 1, MEM_PIECES))
     plgpu.barrier_arrive(kv_bar.at[slot])
 
-  def scales_ahead(i):
-    """``registers``, on the follower: page i's scale vectors beside its slot (``page_scales``), then the
-    follower's arrival on the page's ``kv_bar`` (the other arrival: its values' TMA). The leader last read those
-    vectors for page ``i - stages``, in a hand-off that the follower's ``P @ V`` of page ``i - 2`` waited for."""
+  def scales_behind(i):
+    """``registers``, on the memory warpgroup, a page behind its loads (so their TMA has had a page's time to
+    land and the loads never wait for it): page i's scale vectors beside its slot (``page_scales``), then the
+    memory warpgroup's arrival on the page's ``kv_bar`` (the other arrival: its values' TMA). The leader last read
+    those vectors for page ``i - stages``, before its release of the slot that the loads of page i awaited."""
     slot = lax.rem(i, stages)
     page_scales(slot, (first_page + i) * PAGE_SIZE)
     plgpu.commit_smem()
@@ -684,6 +681,8 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
           plgpu.copy_gmem_to_smem(kv16_ref.at[page, :, pl.ds(0, DIM // 2)], kv16_smem.at[slot], kv_bar.at[slot])
         plgpu.copy_gmem_to_smem(words_ref.at[page, :, pl.ds(SCALE_WORD0, SCALE_WORDS)], piece_scales.at[slot],
                                 scale_bar.at[slot])
+        phases.start("mem_scales")
+        pl.when(i > 0)(lambda: scales_behind(i - 1))
       elif fp8:
         plgpu.copy_gmem_to_smem(kv_ref.at[page, :, pl.ds(0, DIM)], raw.at[slot], kv_bar.at[slot])
         plgpu.copy_gmem_to_smem(words_ref.at[page, :, pl.ds(SCALE_WORD0, SCALE_WORDS)], scales.at[slot],
@@ -691,6 +690,9 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       else:
         plgpu.copy_gmem_to_smem(kv_ref.at[page], kv_smem.at[slot], kv_bar.at[slot])
       phases.end()
+
+    if registers:
+      pl.when(num_pages > 0)(lambda: scales_behind(num_pages - 1))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "budget", "partial_dtype", "narrow",
