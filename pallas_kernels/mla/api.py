@@ -128,14 +128,16 @@ def mla_decode(q_abs: jax.Array, kv_cache: jax.Array, block_table: jax.Array, se
   # (or its default) asks, and the balanced splits where the tuning asks for them.
   narrow = config.impl != "xla" and (defaults.narrow if tuning.narrow is None else tuning.narrow)
   balanced = config.impl != "xla" and tuning.balanced is True
-  # The default keeps fp8 pages in registers wherever the narrow kernel (as asked, or by default) reads an fp8 cache.
-  fp8_in_registers = config.impl != "xla" and (narrow and cache_format.is_fp8(kv_cache.dtype)
-                                               if tuning.fp8_in_registers is None else tuning.fp8_in_registers)
+  # fp8 pages stay in registers only where the narrow kernel (as asked, or by default) reads an fp8 cache; there
+  # they do by default.
+  registers_apply = narrow and cache_format.is_fp8(kv_cache.dtype)
+  fp8_in_registers = config.impl != "xla" and (registers_apply if tuning.fp8_in_registers is None
+                                               else tuning.fp8_in_registers)
   if narrow and not kernel.narrow_applies(num_heads, kv_cache.dtype):
     raise NotImplementedError(f"mla_decode tuning.narrow=True takes at most {kernel.NARROW_MAX_HEADS} query "
                               f"heads with a bf16 kv_cache and {kernel.FP8_NARROW_MAX_HEADS} with an fp8 one, got "
                               f"q_abs with {num_heads} and a {jnp.dtype(kv_cache.dtype).name} kv_cache")
-  if fp8_in_registers and not (narrow and cache_format.is_fp8(kv_cache.dtype)):
+  if fp8_in_registers and not registers_apply:
     raise NotImplementedError(f"mla_decode tuning.fp8_in_registers=True needs the narrow kernel over an fp8 "
                               f"kv_cache, got narrow={narrow} and a {jnp.dtype(kv_cache.dtype).name} kv_cache")
   return _mla_decode(q_abs, kv_cache, block_table, seq_lens, scale=config.scale,
