@@ -1,8 +1,8 @@
 """CPU smoke runs of benchmarks/mla_prefill.py, benchmarks/mla_decode.py, benchmarks/long_prompt.py and
 benchmarks/prefix_cache.py at tiny sizes (impl xla), kernel_profile.py's trace summary on a made-up trace,
 kda_prefill.py's paired overheads and kernel overheads on scripted times and its SMEM padding in interpret mode,
-the harness's GPU timeline on made-up profiles and its clock sampler on a stand-in nvidia-smi, and wgmma_rates.py's
-cases lowered for sm_90a with their NumPy check values."""
+the harness's GPU timeline on made-up profiles and its clock sampler on a stand-in nvidia-smi, wgmma_rates.py's
+cases lowered for sm_90a with their NumPy check values, and tma_rates.py's page formats lowered for sm_90a."""
 
 import argparse
 import contextlib
@@ -23,7 +23,7 @@ if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
 from benchmarks import (_harness, kda_prefill, kernel_profile, long_prompt, mla_decode, mla_prefill,  # noqa: E402
-                        prefix_cache, wgmma_rates)
+                        prefix_cache, tma_rates, wgmma_rates)
 from pallas_kernels import util  # noqa: E402
 
 
@@ -532,3 +532,31 @@ def test_wgmma_rates_refuses_no_iterations(capsys):
   with pytest.raises(SystemExit):
     wgmma_rates.main(["--iters", "0"])
   assert "argument --iters: must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", tma_rates.CASES, ids=lambda c: c.name)
+def test_tma_rates_cases_lower_for_sm90a(case):
+  """Every page format's loads lower for the GPU (the probe has no compute to check: it times the loads), over a
+  cache of the format's shape whose every page the table names once."""
+  args = tma_rates.inputs(case, batch=2, splits=2, pages=3)
+  cache, table = args[:2]
+  assert cache.shape == case.cache_shape(12) and sorted(np.asarray(table).ravel()) == list(range(12))
+  assert len(args) == 2 + case.scales_apart
+  tma_rates.make(case, slots=2, batch=2, splits=2, pages=3).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def test_tma_rates_page_bytes():
+  """The bytes a page's boxes name: the values, plus 64 rows of 8 scale words, or the page's 512 bytes of scales."""
+  by_name = {c.name: c for c in tma_rates.CASES}
+  assert by_name["f8_row_values"].page_bytes() == 64 * 576
+  assert by_name["f8_row_values_words"].page_bytes() == 64 * 576 + 64 * 32
+  assert by_name["f8_row_whole"].page_bytes() == 64 * 640
+  assert by_name["f8_scales_apart"].page_bytes() == 64 * 576 + 512
+  assert by_name["f8_scales_apart"].cache_shape(5) == (5, 64, 576)
+  assert by_name["bf16_row"].page_bytes() == 64 * 576 * 2
+
+
+def test_tma_rates_refuses_no_slots(capsys):
+  with pytest.raises(SystemExit):
+    tma_rates.main(["--slots", "0"])
+  assert "--slots, --batch, --splits and --pages must be >= 1" in capsys.readouterr().err
