@@ -146,9 +146,9 @@ def test_q_in_two_e4m3_parts():
   q[1, 2] = 0.0
   q[2, 3, 7], q[2, 4, 9] = np.nan, np.inf
   q = jnp.asarray(q, jnp.bfloat16)
-  parts, s_q = mla_kernel.split_e4m3(q)
-  assert parts.shape == (3, 16, DIM) and parts.dtype == FP8 and s_q.shape == (3, 8) and s_q.dtype == jnp.float32
-  parts, s_q = np.asarray(parts, np.float64), np.asarray(s_q, np.float64)
+  parts, amax = mla_kernel.split_e4m3(q)
+  assert parts.shape == (3, 16, DIM) and parts.dtype == FP8 and amax.shape == (3, 8) and amax.dtype == jnp.float32
+  parts, s_q = np.asarray(parts, np.float64), np.asarray(cache_format.amax_scale(amax), np.float64)
   with np.errstate(invalid="ignore"):  # the non-finite rows
     back = s_q[..., None] * (parts[:, :8] + parts[:, 8:] / mla_kernel.Q_LO_FACTOR)
   x = np.asarray(q.astype(jnp.float32), np.float64)
@@ -163,9 +163,10 @@ def test_q_in_two_e4m3_parts():
 # device: on a GPU, XLA may fold the e4m3 round trip that q_lo's remainder needs.
 _SPLIT_AT_DEFAULT_FLAGS = """
 import jax, jax.numpy as jnp, numpy as np
-from pallas_kernels.mla import kernel
+from pallas_kernels.mla import cache_format, kernel
 q = jnp.asarray(np.random.default_rng(4).standard_normal((4, 16, 576)), jnp.bfloat16)
-parts, s_q = (np.asarray(a, np.float64) for a in jax.jit(kernel.split_e4m3)(q))
+parts, amax = jax.jit(kernel.split_e4m3)(q)
+parts, s_q = (np.asarray(a, np.float64) for a in (parts, cache_format.amax_scale(amax)))
 x = np.asarray(q.astype(jnp.float32), np.float64)
 err = np.abs(s_q[..., None] * (parts[:, :16] + parts[:, 16:] / kernel.Q_LO_FACTOR) - x)
 bound = 2.0 ** -8 * np.abs(x) + 2.0 ** -14 * s_q[..., None]
@@ -309,7 +310,8 @@ def test_registers_qk_accumulators_keep_the_gpus_sums_within_the_q_split_bound(c
   decoded = np_decode_rows(cache, rounded=False)
   _, lse_ref = mla_decode_oracle(q_bf16, decoded, table, lens, scale=K3_MLA_SCALE)
   bound = split_q_logit_bound(q_bf16, decoded, table, lens)
-  q8, s_q = (np.asarray(x.astype(jnp.float32), np.float64) for x in mla_kernel.split_e4m3(q_bf16))
+  q8, amax = mla_kernel.split_e4m3(q_bf16)
+  q8, s_q = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q8, cache_format.amax_scale(amax)))
   heads = q.shape[1]
   values, scales = (x.astype(np.float64) for x in np_row_parts(cache))
   ok = []

@@ -52,9 +52,9 @@ EXPECTED = {
     "mla-decode-hq16-bf16": (("mla_decode_narrow",), 2),
     "mla-decode-hq128-bf16": (("mla_decode_wide",), 2),
     "mla-decode-hq16-fp8": (("mla_decode_narrow_fp8",), 3),
-    # fp8 pages in registers: q's two e4m3 parts and s_q take three small XLA kernels (its row maxima, s_q, then
-    # both parts: kernel.split_e4m3), the merge three (the partials' column pairs transposed back, then the merge).
-    "mla-decode-hq16-fp8-regs": (("mla_decode_narrow_fp8_regs",), 6),
+    # fp8 pages in registers: q's two e4m3 parts take two small XLA kernels (its row maxima, then both parts:
+    # kernel.split_e4m3), the merge three (the partials' column pairs transposed back, then the merge).
+    "mla-decode-hq16-fp8-regs": (("mla_decode_narrow_fp8_regs",), 5),
     "mla-decode-hq128-fp8": (("mla_decode_wide_fp8",), 2),
     "short-conv-prefill": (("short_conv_prefill",), 3),
     "mla-prefill-8192-h16": (("mla_prefill",), 6),

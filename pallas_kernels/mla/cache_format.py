@@ -29,6 +29,7 @@ heads that attend to it; an all-zero part gets scale 1 (not 0, which would read 
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -46,11 +47,23 @@ def row_width(dim: int, dtype) -> int:
 
 
 def part_scale(x: jax.Array) -> jax.Array:
-  """The e4m3 scale of each row of ``x`` (its last axis, kept): ``max |x| / 448``, 1 for an all-zero row, NaN for
-  a row with a NaN and inf for one with an inf (either reads back non-finite). XLA's CPU max reduction can skip a
-  NaN (a vectorised max that keeps its other operand), so the NaN is looked for apart."""
-  amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-  amax = jnp.where(jnp.isnan(x).any(axis=-1, keepdims=True), jnp.nan, amax)
+  """The e4m3 scale of each row of ``x`` (its last axis, kept): ``amax_scale(row_amax(x))``."""
+  return amax_scale(row_amax(x))
+
+
+def row_amax(x: jax.Array) -> jax.Array:
+  """``max |x|`` over the last axis of ``x`` (kept), NaN for a row with a NaN. One reduction, whose reducer carries a
+  NaN through a sum: XLA's CPU max reduction can skip a NaN (a vectorised max that keeps its other operand), and a
+  second reduction looking for NaNs costs the GPU a kernel more (its select cannot fuse into both consumers)."""
+  amax = lax.reduce(jnp.abs(x), jnp.array(0, x.dtype),
+                    lambda a, b: jnp.where(jnp.isnan(a) | jnp.isnan(b), a + b, jnp.maximum(a, b)), (x.ndim - 1,))
+  return amax[..., None]
+
+
+def amax_scale(amax: jax.Array) -> jax.Array:
+  """The e4m3 scale of a row of largest magnitude ``amax``: ``amax / 448``, 1 for an all-zero row, NaN for a row
+  with a NaN and inf for one with an inf (either reads back non-finite). Elementwise, so it also runs in a kernel
+  on a vector of row maxima."""
   return jnp.where(amax == 0, 1.0, amax / FP8_MAX)
 
 

@@ -96,19 +96,21 @@ def narrow_applies(num_heads: int, cache_dtype) -> bool:
 
 
 def split_e4m3(q: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """q ``[B, R, 576]`` as two e4m3 parts and a scale per row: ``[B, 2 R, 576]`` (the R ``q_hi`` rows, then the R
-  ``q_lo`` rows) and ``s_q [B, R]`` f32, with ``q = s_q * (q_hi + q_lo / Q_LO_FACTOR)`` to ``2^-8 |q| + 2^-14
-  s_q`` per element (e4m3's 2^-4 twice, or its subnormal spacing). A row with a NaN or inf has a non-finite
-  ``s_q`` (NaN parts), so its logits are NaN; an all-zero row gets ``s_q = 1``."""
+  """q ``[B, R, 576]`` as two e4m3 parts and each row's largest magnitude: ``[B, 2 R, 576]`` (the R ``q_hi`` rows,
+  then the R ``q_lo`` rows) and ``amax [B, R]`` f32, with ``q = s_q * (q_hi + q_lo / Q_LO_FACTOR)`` to ``2^-8 |q| +
+  2^-14 s_q`` per element (e4m3's 2^-4 twice, or its subnormal spacing), ``s_q = cache_format.amax_scale(amax)``
+  (the kernel derives it: two XLA kernels, the row maxima and the parts, where passing ``s_q`` took a third). A
+  row with a NaN or inf has a non-finite ``s_q`` (NaN parts), so its logits are NaN; an all-zero row gets ``s_q =
+  1``."""
   x = q.astype(jnp.float32)
-  s_q = cache_format.part_scale(x)  # the cache rows' own scale rule
-  x = x / s_q
+  amax = cache_format.row_amax(x)
+  x = x / cache_format.amax_scale(amax)  # the cache rows' own scale rule
   # q_hi's value in f32, rounded to e4m3 by integer operations: XLA's GPU compiler, at its default (excess
   # precision allowed), folds an f32 -> e4m3 -> f32 round trip into the f32 value itself, which would leave q_lo
   # only what the clip cut (q about e4m3's 3 bits). The conversions below are exact.
   hi = round_to_e4m3(jnp.clip(x, -cache_format.FP8_MAX, cache_format.FP8_MAX))
   lo = (x - hi) * Q_LO_FACTOR
-  return jnp.concatenate([hi, lo], axis=1).astype(cache_format.FP8), s_q[..., 0]
+  return jnp.concatenate([hi, lo], axis=1).astype(cache_format.FP8), amax[..., 0]
 
 
 def round_to_e4m3(x: jax.Array) -> jax.Array:
@@ -371,8 +373,11 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     phases.start("wg0_q_wait")
     plgpu.barrier_wait(q_bar)
     phases.end()
-    # registers: each head's s_q (q = s_q (q_hi + q_lo / Q_LO_FACTOR)) with the softmax scale
-    q_scale = plgpu.load(qs_smem, layout=head_layout) * (scale * LOG2E) if registers else None
+    # registers: each head's s_q (q = s_q (q_hi + q_lo / Q_LO_FACTOR)), from its largest magnitude, with the
+    # softmax scale
+    q_scale = None
+    if registers:
+      q_scale = cache_format.amax_scale(plgpu.load(qs_smem, layout=head_layout)) * (scale * LOG2E)
     scaled = convert or registers  # the per-token scales enter S and P here
 
     def page_step(i, carry, masked: bool):
@@ -654,7 +659,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
   def _memory():
     if not (smem_operands or convert):
       plgpu.set_max_registers(40, action="decrease")
-    if registers:  # q_hi and q_lo, and s_q
+    if registers:  # q_hi and q_lo, and the heads' largest magnitudes (s_q's)
       plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
       plgpu.copy_gmem_to_smem(qs_ref.at[b], qs_smem, q_bar)
     else:
@@ -729,9 +734,9 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, budg
     # uint16 view (the same bytes in GMEM, a bitcast) into a buffer of its own and stages the products' register
     # operands in SMEM. kv_bar: the values' TMA (and interpret's second one) and the follower's page scales.
     stages = REG_STAGES
-    q8, q_scale = split_e4m3(q_pad)
+    q8, q_amax = split_e4m3(q_pad)
     pairs = lax.bitcast_convert_type(kv_cache.reshape(kv_cache.shape[:2] + (ROW_WORDS * 2, 2)), jnp.uint16)
-    inputs = (q8, kv_cache, words, pairs, q_scale)
+    inputs = (q8, kv_cache, words, pairs, q_amax)
     views = (fp8_slots(stages, DIM),
              plgpu.SMEM((stages, PAGE_SIZE, DIM // 2), jnp.uint16,
                         transforms=(plgpu.TilingTransform((8, FP8_TILE_COLS // 2)),
@@ -740,7 +745,8 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, budg
     ring = views if interpret else plgpu.RefUnion(*views)
     q_bar = plgpu.Barrier(num_arrivals=2)
     kv_bar = plgpu.Barrier(num_arrivals=3 if interpret else 2, num_barriers=stages)
-    # The page scale words, their barriers, the scale vectors, s_q, and the leader's 1 / l for the follower.
+    # The page scale words, their barriers, the scale vectors, q's row maxima, and the leader's 1 / l for the
+    # follower.
     extra = (plgpu.SMEM((stages, PAGE_SIZE, SCALE_WORDS), jnp.float32), plgpu.Barrier(num_barriers=stages),
              plgpu.SMEM((stages, 5, PAGE_SIZE), jnp.float32), plgpu.SMEM((rows,), jnp.float32),
              plgpu.SMEM((rows,), jnp.float32), plgpu.Barrier())
