@@ -99,9 +99,8 @@ def split_e4m3(q: jax.Array) -> tuple[jax.Array, jax.Array]:
   """q ``[B, R, 576]`` as two e4m3 parts and each row's largest magnitude: ``[B, 2 R, 576]`` (the R ``q_hi`` rows,
   then the R ``q_lo`` rows) and ``amax [B, R]`` f32, with ``q = s_q * (q_hi + q_lo / Q_LO_FACTOR)`` to ``2^-8 |q| +
   2^-14 s_q`` per element (e4m3's 2^-4 twice, or its subnormal spacing), ``s_q = cache_format.amax_scale(amax)``
-  (the kernel derives it: two XLA kernels, the row maxima and the parts, where passing ``s_q`` took a third). A
-  row with a NaN or inf has a non-finite ``s_q`` (NaN parts), so its logits are NaN; an all-zero row gets ``s_q =
-  1``."""
+  (which the kernel derives itself: an ``s_q`` array would cost an XLA kernel of its own). A row with a NaN or inf
+  has a non-finite ``s_q`` (NaN parts), so its logits are NaN; an all-zero row gets ``s_q = 1``."""
   x = q.astype(jnp.float32)
   amax = cache_format.row_amax(x)
   x = x / cache_format.amax_scale(amax)  # the cache rows' own scale rule
@@ -163,9 +162,9 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
   # registers.
   dequant, convert = fp8 and not narrow, fp8 and narrow and not registers
   if registers:
-    (words_ref, kv16_ref, qs_ref, table_ref, lens_ref, total_ref, o_ref, lse_ref, q_smem, ring, p_smem, row_smem,
-     lse_smem, q_bar, kv_bar, consumed_bar, p_ready_bar, p_free_bar, piece_scales, scale_bar, ring_scales, qs_smem,
-     inv_smem, fin_bar, *a_smem) = refs
+    (words_ref, kv16_ref, q_amax_ref, table_ref, lens_ref, total_ref, o_ref, lse_ref, q_smem, ring, p_smem,
+     row_smem, lse_smem, q_bar, kv_bar, consumed_bar, p_ready_bar, p_free_bar, piece_scales, scale_bar, ring_scales,
+     q_amax_smem, inv_smem, fin_bar, *a_smem) = refs
     kv_smem, kv16_smem, o_stage = ring
   elif dequant:
     (words_ref, table_ref, lens_ref, total_ref, o_ref, lse_ref, q_smem, ring, row_smem, lse_smem, q_bar, kv_bar,
@@ -377,7 +376,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     # softmax scale
     q_scale = None
     if registers:
-      q_scale = cache_format.amax_scale(plgpu.load(qs_smem, layout=head_layout)) * (scale * LOG2E)
+      q_scale = cache_format.amax_scale(plgpu.load(q_amax_smem, layout=head_layout)) * (scale * LOG2E)
     scaled = convert or registers  # the per-token scales enter S and P here
 
     def page_step(i, carry, masked: bool):
@@ -661,7 +660,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       plgpu.set_max_registers(40, action="decrease")
     if registers:  # q_hi and q_lo, and the heads' largest magnitudes (s_q's)
       plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
-      plgpu.copy_gmem_to_smem(qs_ref.at[b], qs_smem, q_bar)
+      plgpu.copy_gmem_to_smem(q_amax_ref.at[b], q_amax_smem, q_bar)
     else:
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, rows)], q_smem, q_bar)
     phases = util.Phases()
@@ -732,7 +731,8 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, budg
     # The fp8 ring read two ways: as e4m3 by QK, as uint16 pairs by the conversion of V (and the output stage
     # once the pages are done). On the GPU one RefUnion; interpret mode, whose RefUnion does not alias, loads the
     # uint16 view (the same bytes in GMEM, a bitcast) into a buffer of its own and stages the products' register
-    # operands in SMEM. kv_bar: the values' TMA (and interpret's second one) and the follower's page scales.
+    # operands in SMEM. kv_bar: the values' TMA (and interpret's second one) and the memory warpgroup's page
+    # scales.
     stages = REG_STAGES
     q8, q_amax = split_e4m3(q_pad)
     pairs = lax.bitcast_convert_type(kv_cache.reshape(kv_cache.shape[:2] + (ROW_WORDS * 2, 2)), jnp.uint16)
