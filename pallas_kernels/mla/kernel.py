@@ -71,6 +71,7 @@ CONVERT_LAYOUT = plgpu.Layout.WGMMA_UPCAST_2X
 # 448 leaves a remainder of at most 448 / 16, so q_lo = e4m3(remainder * 16) stays in range and the pair carries
 # about 8 bits of each element, near bf16's.
 REG_STAGES = 4
+LATENT_SWIZZLE = 128  # bytes: ``registers``' latent slots (``_partials``)
 # ``registers``: the leader runs QK and the softmax only and the follower all of ``P @ V``, so that the two run side by
 # side; P and alpha go through HANDOFFS buffers, so the leader's next page need not wait for the follower's products.
 HANDOFFS = 2
@@ -164,7 +165,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
   if registers:
     (words_ref, kv16_ref, q_amax_ref, table_ref, lens_ref, total_ref, o_ref, lse_ref, q_smem, ring, p_smem,
      row_smem, lse_smem, q_bar, kv_bar, consumed_bar, p_ready_bar, p_free_bar, piece_scales, scale_bar, ring_scales,
-     q_amax_smem, inv_smem, fin_bar, *a_smem) = refs
+     q_amax_smem, inv_smem, fin_bar, rope_smem, q_rope_smem, *a_smem) = refs
     kv_smem, kv16_smem, o_stage = ring
   elif dequant:
     (words_ref, table_ref, lens_ref, total_ref, o_ref, lse_ref, q_smem, ring, row_smem, lse_smem, q_bar, kv_bar,
@@ -398,9 +399,13 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
         the e4m3 page against q's two parts, the latent part in ``QK_CHUNK``-column accumulators added in f32)."""
         *latent_refs, rope_ref = acc_refs
         width = LATENT_DIM // len(latent_refs)
-        parts = [(ref, pl.ds(k * width, width)) for k, ref in enumerate(latent_refs)]
-        for acc_ref, part in parts + [(rope_ref, pl.ds(LATENT_DIM, ROPE_DIM))]:
-          plgpu.wgmma(acc_ref, tile.at[:, part], q_smem.at[:, part].T)
+        for k, acc_ref in enumerate(latent_refs):
+          plgpu.wgmma(acc_ref, tile.at[:, pl.ds(k * width, width)], q_smem.at[:, pl.ds(k * width, width)].T)
+        rope = pl.ds(LATENT_DIM, ROPE_DIM)  # registers: the rope columns land in a slot of their own
+        if registers:
+          plgpu.wgmma(rope_ref, rope_smem.at[slot], q_rope_smem.T)
+        else:
+          plgpu.wgmma(rope_ref, tile.at[:, rope], q_smem.at[:, rope].T)
         return sum(ref[...] for ref in latent_refs), rope_ref[...]
 
       shape = (PAGE_SIZE, rows) if narrow else (rows, PAGE_SIZE)
@@ -659,7 +664,8 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     if not (smem_operands or convert):
       plgpu.set_max_registers(40, action="decrease")
     if registers:  # q_hi and q_lo, and the heads' largest magnitudes (s_q's)
-      plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, :, pl.ds(0, LATENT_DIM)], q_smem, q_bar)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, :, pl.ds(LATENT_DIM, ROPE_DIM)], q_rope_smem, q_bar)
       plgpu.copy_gmem_to_smem(q_amax_ref.at[b], q_amax_smem, q_bar)
     else:
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, rows)], q_smem, q_bar)
@@ -680,9 +686,12 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       phases.start("mem_issue")
       page = table_ref[b, first_page + i]
       if registers:
-        plgpu.copy_gmem_to_smem(kv_ref.at[page, :, pl.ds(0, DIM)], kv_smem.at[slot], kv_bar.at[slot])
+        plgpu.copy_gmem_to_smem(kv_ref.at[page, :, pl.ds(0, LATENT_DIM)], kv_smem.at[slot], kv_bar.at[slot])
+        plgpu.copy_gmem_to_smem(kv_ref.at[page, :, pl.ds(LATENT_DIM, ROPE_DIM)], rope_smem.at[slot],
+                                kv_bar.at[slot])
         if a_smem:  # interpret mode: the uint16 view is a buffer of its own (its RefUnion does not alias)
-          plgpu.copy_gmem_to_smem(kv16_ref.at[page, :, pl.ds(0, DIM // 2)], kv16_smem.at[slot], kv_bar.at[slot])
+          plgpu.copy_gmem_to_smem(kv16_ref.at[page, :, pl.ds(0, LATENT_DIM // 2)], kv16_smem.at[slot],
+                                  kv_bar.at[slot])
         plgpu.copy_gmem_to_smem(words_ref.at[page, :, pl.ds(SCALE_WORD0, SCALE_WORDS)], piece_scales.at[slot],
                                 scale_bar.at[slot])
         phases.start("mem_scales")
@@ -724,32 +733,38 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, budg
     inputs += (words,)
   # The fp8 slots are tiled (8, 64) with the 64-byte swizzle: a tiled TMA needs the rows of the source (640
   # bytes) in whole tiles.
-  fp8_slots = lambda n, cols: plgpu.SMEM((n, PAGE_SIZE, cols), kv_cache.dtype,
-                                         transforms=(plgpu.TilingTransform((8, FP8_TILE_COLS)),
-                                                     plgpu.SwizzleTransform(FP8_TILE_COLS)))
+  fp8_smem = lambda shape, swizzle=FP8_TILE_COLS: plgpu.SMEM(
+      shape, kv_cache.dtype, transforms=(plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle)))
+  fp8_slots = lambda n, cols, swizzle=FP8_TILE_COLS: fp8_smem((n, PAGE_SIZE, cols), swizzle)
   if registers:
     # The fp8 ring read two ways: as e4m3 by QK, as uint16 pairs by the conversion of V (and the output stage
     # once the pages are done). On the GPU one RefUnion; interpret mode, whose RefUnion does not alias, loads the
     # uint16 view (the same bytes in GMEM, a bitcast) into a buffer of its own and stages the products' register
-    # operands in SMEM. kv_bar: the values' TMA (and interpret's second one) and the memory warpgroup's page
+    # operands in SMEM. The latent columns come with the 128-byte swizzle (a row's 512 bytes are four whole
+    # 128-byte tiles; the 64-byte swizzle's narrower boxes stream slower), the rope columns with the 64-byte one
+    # into slots of their own. kv_bar: the two TMAs (and interpret's third) and the memory warpgroup's page
     # scales.
     stages = REG_STAGES
     q8, q_amax = split_e4m3(q_pad)
+    # q's parts as the pages' slots: the latent columns with the 128-byte swizzle (a wgmma's operands share one),
+    # the rope columns with the 64-byte one; the rows padded to 640 bytes, whole tiles of either, for the TMA.
+    q8 = jnp.pad(q8, ((0, 0), (0, 0), (0, LATENT_SWIZZLE - ROPE_DIM)))
     pairs = lax.bitcast_convert_type(kv_cache.reshape(kv_cache.shape[:2] + (ROW_WORDS * 2, 2)), jnp.uint16)
     inputs = (q8, kv_cache, words, pairs, q_amax)
-    views = (fp8_slots(stages, DIM),
-             plgpu.SMEM((stages, PAGE_SIZE, DIM // 2), jnp.uint16,
-                        transforms=(plgpu.TilingTransform((8, FP8_TILE_COLS // 2)),
-                                    plgpu.SwizzleTransform(FP8_TILE_COLS))),
+    views = (fp8_slots(stages, LATENT_DIM, LATENT_SWIZZLE),
+             plgpu.SMEM((stages, PAGE_SIZE, LATENT_DIM // 2), jnp.uint16,
+                        transforms=(plgpu.TilingTransform((8, LATENT_SWIZZLE // 2)),
+                                    plgpu.SwizzleTransform(LATENT_SWIZZLE))),
              plgpu.SMEM((COMPUTE_WGS, COLS // 2, 2 * rows), partial_dtype))
     ring = views if interpret else plgpu.RefUnion(*views)
-    q_bar = plgpu.Barrier(num_arrivals=2)
-    kv_bar = plgpu.Barrier(num_arrivals=3 if interpret else 2, num_barriers=stages)
-    # The page scale words, their barriers, the scale vectors, q's row maxima, and the leader's 1 / l for the
-    # follower.
+    q_bar = plgpu.Barrier(num_arrivals=3)
+    kv_bar = plgpu.Barrier(num_arrivals=4 if interpret else 3, num_barriers=stages)
+    # The page scale words, their barriers, the scale vectors, q's row maxima, the leader's 1 / l for the
+    # follower, and the rope slots.
     extra = (plgpu.SMEM((stages, PAGE_SIZE, SCALE_WORDS), jnp.float32), plgpu.Barrier(num_barriers=stages),
              plgpu.SMEM((stages, 5, PAGE_SIZE), jnp.float32), plgpu.SMEM((rows,), jnp.float32),
-             plgpu.SMEM((rows,), jnp.float32), plgpu.Barrier())
+             plgpu.SMEM((rows,), jnp.float32), plgpu.Barrier(), fp8_slots(stages, ROPE_DIM),
+             fp8_smem((2 * rows, ROPE_DIM)))
     if interpret:
       extra += (tile((COMPUTE_WGS, 2, COLS // 2, PAGE_SIZE), jnp.float16),)
   elif fp8 and narrow:
@@ -792,7 +807,7 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, budg
       kernel_name="mla_decode_" + ("narrow" if narrow else "wide") + ("_fp8" if fp8 else "") + (
           "_regs" if registers else ""),
       scratch_types=(
-          tile(inputs[0].shape[1:], inputs[0].dtype) if registers else tile((rows, dim), q_pad.dtype),
+          fp8_smem((2 * rows, LATENT_DIM), LATENT_SWIZZLE) if registers else tile((rows, dim), q_pad.dtype),
           ring,
           *p_smem,
           plgpu.SMEM(handoffs + (rows,), jnp.float32),
