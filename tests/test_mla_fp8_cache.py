@@ -80,15 +80,14 @@ def split_q_logit_bound(q, rows: np.ndarray, table, lens) -> np.ndarray:
   return bound
 
 
-def test_e4m3_pairs_become_f16_exactly():
-  """``e4m3_pair_to_f16`` (interpret mode's form of the GPU's byte permute and conversions): every uint16 word's
-  low and high bytes as their e4m3 values exactly, NaN bytes NaN, f16 of the input's shape."""
+def test_e4m3_pair_bytes_are_the_words_bytes():
+  """``e4m3_pair_bytes`` (interpret mode's form of the GPU's byte permutes): every uint16 word's low and high bytes
+  as e4m3 arrays of the input's shape, bit for bit (NaN bytes included)."""
   words = np.arange(2 ** 16, dtype=np.uint16)
-  got = mla_kernel.e4m3_pair_to_f16(jnp.asarray(words))
+  got = mla_kernel.e4m3_pair_bytes(jnp.asarray(words))
   for x, byte in zip(got, (words & 0xFF, words >> 8)):
-    assert x.dtype == jnp.float16 and x.shape == words.shape
-    want = byte.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    np.testing.assert_array_equal(np.asarray(x, np.float64), want)  # NaN where want is NaN
+    assert x.dtype == FP8 and x.shape == words.shape
+    np.testing.assert_array_equal(np.asarray(x).view(np.uint8), byte.astype(np.uint8))
 
 
 def np_prmt(a: np.ndarray, b: np.ndarray, selector: int) -> np.ndarray:
@@ -102,21 +101,51 @@ def np_prmt(a: np.ndarray, b: np.ndarray, selector: int) -> np.ndarray:
   return out
 
 
-def test_cvt_pair_order_gives_one_column_of_two_tokens_per_half():
-  """The GPU permutes each register of two tokens' words (``CVT_PAIR_ORDER``) so that its low
-  16 bits are the even column of both tokens and its high 16 bits the odd column (each ``cvt.rn.f16x2.e4m3x2``
-  turns 16 bits into the f16 pair of one WGMMA register): the same values as ``e4m3_pair_to_f16``'s even and odd
-  outputs of the two words, for random words in either half."""
+def test_pair_selectors_put_the_tokens_in_p_token_order():
+  """The GPU's ``P @ V`` operands: thread q of a row holds the uint16 words of tokens 2q, 2q + 1 in one register
+  and of tokens 2q + 8, 2q + 9 in another (the 16-bit transposed load); ``EVEN_BYTES`` and ``ODD_BYTES`` permute
+  the two into the even and the odd column's e4m3 register of the 8-bit A layout, k = 4q .. 4q + 3, which must
+  hold tokens ``p_token(k)``. Random bytes, every q, both columns."""
   rng = np.random.default_rng(11)
-  first, second = (rng.integers(0, 2 ** 16, 4096, dtype=np.uint32) for _ in range(2))
-  perm = np_prmt(first | (second << np.uint32(16)), np.zeros_like(first), mla_kernel.CVT_PAIR_ORDER)
-  exact = lambda w: [np.asarray(x, np.float64) for x in mla_kernel.e4m3_pair_to_f16(
-      jnp.asarray(w.astype(np.uint16)))]
-  (even_t, odd_t), (even_u, odd_u) = exact(first), exact(second)
-  for half, (want_t, want_u) in ((perm & np.uint32(0xFFFF), (even_t, even_u)), (perm >> np.uint32(16), (odd_t, odd_u))):
-    got_t, got_u = exact(half)  # cvt's low f16 from the low byte (token t), its high f16 from the high byte
-    np.testing.assert_array_equal(got_t, want_t)
-    np.testing.assert_array_equal(got_u, want_u)
+  even, odd = (rng.integers(0, 256, (64, 16), dtype=np.uint32) for _ in range(2))  # [case, token]
+  words = even | (odd << np.uint32(8))
+  for q in range(4):
+    first = words[:, 2 * q] | (words[:, 2 * q + 1] << np.uint32(16))
+    second = words[:, 2 * q + 8] | (words[:, 2 * q + 9] << np.uint32(16))
+    for column, selector in ((even, mla_kernel.EVEN_BYTES), (odd, mla_kernel.ODD_BYTES)):
+      got = np_prmt(first, second, selector)
+      for j in range(4):
+        token = mla_kernel.p_token(4 * q + j)
+        np.testing.assert_array_equal((got >> np.uint32(8 * j)) & np.uint32(0xFF), column[:, token])
+
+
+def test_p_token_order_is_a_permutation_with_each_rows_pair_side_by_side():
+  """``p_token`` permutes each 16 tokens of a page, and the leader's thread that holds tokens t = 16 w + r and
+  t + 8 (row r of warp w's two halves of the WGMMA layout) finds them at k = 16 w + 2 r and the next k, as
+  ``store_p_e4m3`` writes them (one 16-bit store)."""
+  order = [mla_kernel.p_token(k) for k in range(PAGE_SIZE)]
+  assert sorted(order) == list(range(PAGE_SIZE))
+  assert all(k // 16 == t // 16 for k, t in enumerate(order))
+  for w in range(4):
+    for r in range(8):
+      assert order[16 * w + 2 * r: 16 * w + 2 * r + 2] == [16 * w + r, 16 * w + r + 8]
+
+
+def test_p_in_two_e4m3_parts():
+  """``split_p_e4m3`` (the conversions of ``store_p_e4m3``, interpret mode's form) of P's weights times
+  ``P_SCALE``: two e4m3 values (exact round trips) with ``x = hi + lo / Q_LO_FACTOR`` to ``2^-8 x`` plus the
+  second part's subnormal spacing; 0 stays 0 and NaN stays NaN."""
+  rng = np.random.default_rng(5)
+  p = np.concatenate([rng.random(4096), 10.0 ** rng.uniform(-12, 0, 4096), [0.0, 1.0, np.nan]])
+  x = (p * mla_kernel.P_SCALE).astype(np.float32)
+  hi, lo = (np.asarray(v, np.float64) for v in mla_kernel.split_p_e4m3(jnp.asarray(x)))
+  for part in (hi, lo):
+    np.testing.assert_array_equal(part, part.astype(ml_dtypes.float8_e4m3fn).astype(np.float64))
+  x = x.astype(np.float64)
+  err = np.abs(hi + lo / mla_kernel.Q_LO_FACTOR - x)
+  finite = np.isfinite(x)
+  assert (err[finite] <= 2.0 ** -8 * x[finite] + 2.0 ** -9 / mla_kernel.Q_LO_FACTOR).all()
+  assert hi[-3] == lo[-3] == 0 and np.isnan(hi[-1]) and np.isnan(lo[-1])
 
 
 def test_round_to_e4m3_is_the_e4m3_conversion_in_f32():

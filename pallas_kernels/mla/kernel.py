@@ -16,6 +16,7 @@ pages and the SMEM budget.
 
 import functools
 import math
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir.dialects import arith, llvm, vector
 
 from pallas_kernels import mosaic_interpret, util
 from pallas_kernels.mla import cache_format
@@ -81,11 +83,19 @@ Q_LO_FACTOR = 16.0
 # error grows with the sum a chain of products adds onto. QK adds the latent columns' products in QK_CHUNK columns
 # per accumulator (4 wgmma steps of 32) and those in f32, as that report's kernels promote every 128.
 QK_CHUNK = 128
-# The pages' bytes as uint16 pairs: a transposed 16-bit load puts two tokens' pairs in a register (bytes: t even,
-# t odd, t + 1 even, t + 1 odd), and a byte permute by this prmt.b32 selector (bytes 0, 2, 1, 3, the lowest digit
-# first) gives the even column's two bytes, then the odd column's: each 16 bits convert to one f16 register of
-# V^T's operands (``e4m3_pair_to_f16_registers``).
-CVT_PAIR_ORDER = 0x3120
+# ``P @ V`` runs on e4m3 operands, 32 tokens a wgmma step (twice an f16 step's 16): V^T from the fp8 slot in
+# registers, P^T from SMEM as two e4m3 parts, P = (p_hi + p_lo / Q_LO_FACTOR) / P_SCALE, the N of 2 x heads. A
+# transposed 16-bit load of the slot's uint16 pairs (the only transposed load sm_90 has: none for 8 bits) puts, for
+# a row of V^T's column pairs, tokens 2q and 2q + 1 in one register of thread q and tokens 2q + 8 and 2q + 9 in
+# another (bytes: t even, t odd, t + 1 even, t + 1 odd). A byte permute of the two by these prmt.b32 selectors (the
+# lowest digit first) gives the even and the odd column's e4m3 register of the 8-bit A layout, whose thread q holds
+# k = 4q .. 4q + 3: tokens 2q, 2q + 8, 2q + 1, 2q + 9. So the k-th of every 16 products takes token
+# ``p_token(k)``, and the leader stores P^T's columns in that order (``store_p_e4m3``).
+EVEN_BYTES = 0x6240
+ODD_BYTES = 0x7351
+# P's weights (at most 1) times 256: the smallest weights that matter stay clear of e4m3's subnormals.
+P_SCALE = 256.0
+LO_FACTOR_PTX = "0f" + struct.pack(">f", Q_LO_FACTOR).hex().upper()  # PTX's f32 literal
 
 
 def narrow_applies(num_heads: int, cache_dtype) -> bool:
@@ -124,35 +134,92 @@ def round_to_e4m3(x: jax.Array) -> jax.Array:
   return jnp.where(jnp.isnan(x), x, jnp.where(jnp.abs(x) < 2.0 ** -6, subnormal, normal))
 
 
-def e4m3_pair_to_f16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """uint16 words of two e4m3 bytes each as two f16 arrays of the same shape: the low bytes' and the high bytes'
-  values, exactly (e4m3 -> f16 is; a NaN byte is NaN). Interpret mode's form of ``e4m3_pair_to_f16_registers``."""
-  return tuple(lax.bitcast_convert_type(byte.astype(jnp.uint8), cache_format.FP8).astype(jnp.float16)
+def p_token(k: int) -> int:
+  """The token whose product the k-th K position of ``P @ V``'s e4m3 steps takes (``EVEN_BYTES``): within each 16,
+  k = 4q + j holds token 2q + 8 (j % 2) + j // 2."""
+  q, j = divmod(k % 16, 4)
+  return k - k % 16 + 2 * q + 8 * (j % 2) + j // 2
+
+
+def e4m3_pair_bytes(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """uint16 words of two e4m3 bytes each as two e4m3 arrays of the same shape, the low bytes' and the high
+  bytes' (the even and the odd column's), tokens in order. Interpret mode's form of ``e4m3_pair_operands``."""
+  return tuple(lax.bitcast_convert_type(byte.astype(jnp.uint8), cache_format.FP8)
                for byte in (x & jnp.uint16(0xFF), x >> jnp.uint16(8)))
 
 
-def e4m3_pair_to_f16_registers(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``e4m3_pair_to_f16`` of a WGMMA-layout uint16 array, on the GPU: per register (two uint16 words) one byte
-  permute (``CVT_PAIR_ORDER``) and two ``cvt.rn.f16x2.e4m3x2``."""
-  layout = plgpu.Layout.WGMMA
-  out = plgpu.ShapeDtypeStruct(x.shape, jnp.float16, layout=layout)
+def e4m3_pair_operands(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """WGMMA-layout uint16 pairs ``[M, K]`` (rows: column pairs, K: tokens) as the even and the odd columns' e4m3
+  ``[M, K]`` wgmma operands in the 8-bit A layout, the tokens of every 16 in ``p_token``'s order: per register of
+  the result one byte permute of the two registers that hold its tokens."""
+  out = plgpu.ShapeDtypeStruct(x.shape, cache_format.FP8, layout=plgpu.Layout.WGMMA_8BIT)
 
-  @plgpu.inline_mgpu(arg_types=(layout,), return_type=(out, out))
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(out, out))
   def convert(_, words):
     i32 = ir.IntegerType.get_signless(32)
-    halves = np.empty((2,) + words.registers.shape, object)
-    for idx, reg in np.ndenumerate(words.registers):
-      shape = ir.VectorType(reg.type).shape
-      pairs = mgpu_utils.inline_ptx(
-          "{\n.reg .b32 cvt_w;\n.reg .b16 cvt_lo, cvt_hi;\n"
-          f"prmt.b32 cvt_w, $2, 0, {CVT_PAIR_ORDER:#x};\nmov.b32 {{cvt_lo, cvt_hi}}, cvt_w;\n"
-          "cvt.rn.f16x2.e4m3x2 $0, cvt_lo;\ncvt.rn.f16x2.e4m3x2 $1, cvt_hi;\n}",
-          mgpu_utils.bitcast(reg, i32), result_types=(i32, i32))
-      for k, pair in enumerate(pairs):
-        halves[(k,) + idx] = mgpu_utils.bitcast(pair, ir.VectorType.get(shape, ir.F16Type.get()))
-    return tuple(mgpu.FragmentedArray(_registers=h, _layout=words.layout, _is_signed=None) for h in halves)
+    f8x4 = ir.VectorType.get((4,), ir.Float8E4M3FNType.get())
+    shape = mgpu.WGMMA_LAYOUT_8BIT.registers_shape(words.shape)
+    halves = (np.empty(shape, object), np.empty(shape, object))
+    for idx in np.ndindex(*shape):
+      # The 16-bit layout's registers of the same rows: axis 1 counts 8 tokens there, 16 here.
+      first, second = (mgpu_utils.bitcast(words.registers[idx[:1] + (2 * idx[1] + h,) + idx[2:]], i32)
+                       for h in (0, 1))
+      for half, selector in zip(halves, (EVEN_BYTES, ODD_BYTES)):
+        word = mgpu_utils.inline_ptx(f"prmt.b32 $0, $1, $2, {selector:#x};", first, second, result_types=i32)
+        half[idx] = mgpu_utils.bitcast(word, f8x4)
+    return tuple(mgpu.FragmentedArray(_registers=h, _layout=mgpu.WGMMA_LAYOUT_8BIT, _is_signed=None)
+                 for h in halves)
 
   return convert(x)
+
+
+def split_p_e4m3(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """f32 ``x`` (``P * P_SCALE``) as its two e4m3 parts' values in f32, ``x = hi + lo / Q_LO_FACTOR`` to about 2^-8
+  of x: interpret mode's form of ``store_p_e4m3``'s conversions (round to nearest even, saturating)."""
+  hi = round_to_e4m3(jnp.clip(x, -cache_format.FP8_MAX, cache_format.FP8_MAX))
+  lo = (x - hi) * Q_LO_FACTOR
+  return hi, round_to_e4m3(jnp.clip(lo, -cache_format.FP8_MAX, cache_format.FP8_MAX))
+
+
+P_TRANSFORMS = (plgpu.TilingTransform((8, PAGE_SIZE)), plgpu.SwizzleTransform(PAGE_SIZE))  # 64-byte rows
+
+
+def store_p_e4m3(x: jax.Array, ref) -> None:
+  """The leader's ``x = P * P_SCALE`` (f32 ``[64 tokens, R]``, WGMMA layout) into ``ref`` (e4m3 ``[2 R, 64]``, tiled
+  ``P_TRANSFORMS``): P^T's ``p_hi`` rows, then its ``p_lo`` rows (``split_p_e4m3``, by ``cvt.rn.satfinite``), token
+  ``p_token(k)`` in column k. Thread q of row group r of warp w holds tokens t = 16 w + r and t + 8 (the layout's
+  two row halves): ``p_token`` puts them side by side at k = 16 w + 2 r, so one 16-bit store per head and part.
+  In the tiled, 64-byte-swizzled buffer head row n = 8 g + 2 q + i sits at byte 512 g + 64 (2 q + i), and its
+  16-byte chunk w at chunk w ^ q (the swizzle XORs the chunk with the row's bits 1-2: q)."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(transforms=P_TRANSFORMS)))
+  def store(_, values, dst):
+    i32 = ir.IntegerType.get_signless(32)
+    tid = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
+    lane = arith.remui(tid, mgpu_utils.c(32, i32))
+    warp, row, q = (arith.divui(tid, mgpu_utils.c(32, i32)), arith.divui(lane, mgpu_utils.c(4, i32)),
+                    arith.remui(lane, mgpu_utils.c(4, i32)))
+    base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(dst))
+    chunk = arith.shli(arith.xori(warp, q), mgpu_utils.c(4, i32))
+    thread = arith.addi(arith.addi(arith.muli(q, mgpu_utils.c(128, i32)), chunk),
+                        arith.muli(row, mgpu_utils.c(2, i32)))
+    base = arith.addi(base, thread)
+    lo_rows = values.shape[1] // 8 * 512  # the p_lo rows' first tile
+    regs = values.registers  # [1, R / 8, 1, 1, 2 (row halves), ...] of (head 2q, head 2q + 1) f32 pairs
+    for g in range(regs.shape[1]):
+      first, second = (regs[(0, g, 0, 0, h) + (0,) * (regs.ndim - 5)] for h in (0, 1))
+      for i in range(2):
+        a, b = (vector.extract(v, [], [i]) for v in (first, second))
+        # cvt.rn.satfinite.e4m3x2.f32 d, hi_src, lo_src: the second source in the low byte (token t).
+        mgpu_utils.inline_ptx(
+            "{\n.reg .b16 p_hi, p_lo;\n.reg .b32 p_f16;\n.reg .f16 h0, h1;\n.reg .f32 f0, f1;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 p_hi, $2, $1;\ncvt.rn.f16x2.e4m3x2 p_f16, p_hi;\n"
+            "mov.b32 {h0, h1}, p_f16;\ncvt.f32.f16 f0, h0;\ncvt.f32.f16 f1, h1;\n"
+            f"sub.f32 f0, $1, f0;\nsub.f32 f1, $2, f1;\nmul.f32 f0, f0, {LO_FACTOR_PTX};\n"
+            f"mul.f32 f1, f1, {LO_FACTOR_PTX};\ncvt.rn.satfinite.e4m3x2.f32 p_lo, f1, f0;\n"
+            f"st.shared.b16 [$0+{512 * g + 64 * i}], p_hi;\nst.shared.b16 [$0+{lo_rows + 512 * g + 64 * i}], p_lo;\n}}",
+            base, a, b, result_types=None)
+
+  store(x, ref)
 
 
 def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: int, scale: float,
@@ -238,11 +305,12 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
 
   def accumulate_fp8(acc, alpha, i, w, p_ref, phases):
     """``registers``: ``acc * alpha + V^T @ P^T`` over half w of the latent columns of page i, V^T straight from
-    the fp8 slot: a transposed load of its uint16 pairs (two tokens' pairs per register) gives the f16 operands
-    of the even and the odd columns (``e4m3_pair_to_f16``), so ``acc`` is a pair, those columns' ``[COLS / 2,
-    rows]`` accumulators. The profiler sees the conversion and the products as two phases."""
+    the fp8 slot: a transposed load of its uint16 pairs (two tokens' pairs per register) gives the e4m3 operands
+    of the even and the odd columns (``e4m3_pair_operands``), so ``acc`` is a pair, those columns' ``[COLS / 2,
+    rows]`` accumulators. The products (against P^T's two parts, ``store_p_e4m3``) go to accumulators of their own,
+    added to ``acc`` in f32: an e4m3 wgmma's sum keeps about 14 bits (``QK_CHUNK``), too few to carry a sequence's
+    pages. The profiler sees the conversion and the products as two phases."""
     phases.start(f"wg1_v{w}_convert")
-    acc = tuple(a * along_heads(alpha, a.shape) for a in acc)
     slot = lax.rem(i, stages)
     pairs = plgpu.load(kv16_smem.at[slot, :, pl.ds(w * (COLS // 2), COLS // 2)].T, layout=plgpu.Layout.WGMMA)
     # A NaN byte converts to NaN, which P = 0 would not cancel: the rows past seq_len of the last page (stale
@@ -250,7 +318,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     tail = seq_len - (first_page + i) * PAGE_SIZE
     token = plgpu.broadcasted_iota(jnp.int32, pairs.shape, 1, layout=plgpu.Layout.WGMMA)
     pairs = lax.cond(tail < PAGE_SIZE, lambda x: jnp.where(token < tail, x, jnp.uint16(0)), lambda x: x, pairs)
-    operands = (e4m3_pair_to_f16 if a_smem else e4m3_pair_to_f16_registers)(pairs)
+    operands = (e4m3_pair_bytes if a_smem else e4m3_pair_operands)(pairs)
     if a_smem:  # interpret mode takes the products' operands from SMEM only
       for k, x in enumerate(operands):
         a_smem[0].at[w, k][...] = x
@@ -261,8 +329,11 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     def pv(*acc_refs):
       for acc_ref, a in zip(acc_refs, operands):
         plgpu.wgmma(acc_ref, a, p_ref.T)
+      return tuple(r[...] for r in acc_refs)
 
-    return util.accumulate(pv, *acc, from_inits=not smem_operands)
+    page = pl.run_scoped(pv, *(plgpu.ACC((COLS // 2, 2 * rows), jnp.float32) for _ in acc))
+    return tuple(a * along_heads(alpha, a.shape) + x[:, :rows] + x[:, rows:] * (1.0 / Q_LO_FACTOR)
+                 for a, x in zip(acc, page))
 
   def handoff(i):
     """Page i's P buffer, its alpha vector and their two barriers (P ready, P free). ``registers``: two of each,
@@ -451,7 +522,13 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
         page_scale = plgpu.load(ring_scales.at[slot, 3, pl.ds(0, rows)], layout=head_layout)
         alpha = alpha * (v_scale / page_scale)
         v_scale = page_scale
-      (p_ref.T if narrow else p_ref)[...] = p.astype(p_ref.dtype)
+      if registers and not a_smem:
+        store_p_e4m3(p * P_SCALE, p_ref)
+      elif registers:
+        for k, part in enumerate(split_p_e4m3(p * P_SCALE)):
+          p_ref.at[pl.ds(k * rows, rows)].T[...] = part.astype(p_ref.dtype)
+      else:
+        (p_ref.T if narrow else p_ref)[...] = p.astype(p_ref.dtype)
       alpha_ref[...] = alpha
       if masked and not fp8:
         zero_v_tail(tile, cols, page_start, commit=False)  # P's fence below covers the zeros
@@ -497,7 +574,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     empty = l == 0
     inv_l = jnp.where(empty, 0.0, 1.0 / l)
     if scaled:
-      inv_l = inv_l * v_scale
+      inv_l = inv_l * (v_scale * (1.0 / P_SCALE) if registers else v_scale)
     (inv_smem if registers else row_smem)[...] = inv_l
     lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l)) * LN2)
     plgpu.commit_smem()
@@ -745,6 +822,7 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, budg
     # into slots of their own. kv_bar: the two TMAs (and interpret's third) and the memory warpgroup's page
     # scales.
     stages = REG_STAGES
+    p_smem = (plgpu.SMEM(handoffs + (2 * rows, PAGE_SIZE), cache_format.FP8, transforms=P_TRANSFORMS),)  # P^T's parts
     q8, q_amax = split_e4m3(q_pad)
     # q's parts as the pages' slots: the latent columns with the 128-byte swizzle (a wgmma's operands share one),
     # the rope columns with the 64-byte one; the rows padded to 640 bytes, whole tiles of either, for the TMA.
@@ -766,7 +844,7 @@ def _partials(q_abs, kv_cache, block_table, seq_lens, *, scale, num_splits, budg
              plgpu.SMEM((rows,), jnp.float32), plgpu.Barrier(), fp8_slots(stages, ROPE_DIM),
              fp8_smem((2 * rows, ROPE_DIM)))
     if interpret:
-      extra += (tile((COMPUTE_WGS, 2, COLS // 2, PAGE_SIZE), jnp.float16),)
+      extra += (plgpu.SMEM((COMPUTE_WGS, 2, COLS // 2, PAGE_SIZE), cache_format.FP8, transforms=P_TRANSFORMS),)
   elif fp8 and narrow:
     # An f16 ring, which the memory warpgroup and the follower fill from the fp8 staging slots (a page is ready
     # when both have arrived), and the per-token scales beside it.
