@@ -96,6 +96,8 @@ ODD_BYTES = 0x7351
 # P's weights (at most 1) times 256: the smallest weights that matter stay clear of e4m3's subnormals.
 P_SCALE = 256.0
 LO_FACTOR_PTX = "0f" + struct.pack(">f", Q_LO_FACTOR).hex().upper()  # PTX's f32 literal
+# P^T's buffers (and interpret mode's V^T operands): rows of a page's 64 tokens, 64 bytes in e4m3.
+P_TRANSFORMS = (plgpu.TilingTransform((8, PAGE_SIZE)), plgpu.SwizzleTransform(PAGE_SIZE))
 
 
 def narrow_applies(num_heads: int, cache_dtype) -> bool:
@@ -179,9 +181,6 @@ def split_p_e4m3(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   hi = round_to_e4m3(jnp.clip(x, -cache_format.FP8_MAX, cache_format.FP8_MAX))
   lo = (x - hi) * Q_LO_FACTOR
   return hi, round_to_e4m3(jnp.clip(lo, -cache_format.FP8_MAX, cache_format.FP8_MAX))
-
-
-P_TRANSFORMS = (plgpu.TilingTransform((8, PAGE_SIZE)), plgpu.SwizzleTransform(PAGE_SIZE))  # 64-byte rows
 
 
 def store_p_e4m3(x: jax.Array, ref) -> None:
