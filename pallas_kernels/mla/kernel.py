@@ -310,13 +310,16 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     added to ``acc`` in f32: an e4m3 wgmma's sum keeps about 14 bits (``QK_CHUNK``), too few to carry a sequence's
     pages. The profiler sees the conversion and the products as two phases."""
     phases.start(f"wg1_v{w}_convert")
+    acc = tuple(a * along_heads(alpha, a.shape) for a in acc)  # before the loads: alpha's registers go free
     slot = lax.rem(i, stages)
     pairs = plgpu.load(kv16_smem.at[slot, :, pl.ds(w * (COLS // 2), COLS // 2)].T, layout=plgpu.Layout.WGMMA)
     # A NaN byte converts to NaN, which P = 0 would not cancel: the rows past seq_len of the last page (stale
     # or poisoned) are zeroed first.
     tail = seq_len - (first_page + i) * PAGE_SIZE
-    token = plgpu.broadcasted_iota(jnp.int32, pairs.shape, 1, layout=plgpu.Layout.WGMMA)
-    pairs = lax.cond(tail < PAGE_SIZE, lambda x: jnp.where(token < tail, x, jnp.uint16(0)), lambda x: x, pairs)
+    # 16-bit token indices: half the registers of int32 ones beside the live accumulators.
+    token = plgpu.broadcasted_iota(jnp.int16, pairs.shape, 1, layout=plgpu.Layout.WGMMA)
+    pairs = lax.cond(tail < PAGE_SIZE, lambda x: jnp.where(token < tail.astype(jnp.int16), x, jnp.uint16(0)),
+                     lambda x: x, pairs)
     operands = (e4m3_pair_bytes if a_smem else e4m3_pair_operands)(pairs)
     if a_smem:  # interpret mode takes the products' operands from SMEM only
       for k, x in enumerate(operands):
@@ -331,8 +334,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       return tuple(r[...] for r in acc_refs)
 
     page = pl.run_scoped(pv, *(plgpu.ACC((COLS // 2, 2 * rows), jnp.float32) for _ in acc))
-    return tuple(a * along_heads(alpha, a.shape) + x[:, :rows] + x[:, rows:] * (1.0 / Q_LO_FACTOR)
-                 for a, x in zip(acc, page))
+    return tuple(a + x[:, :rows] + x[:, rows:] * (1.0 / Q_LO_FACTOR) for a, x in zip(acc, page))
 
   def handoff(i):
     """Page i's P buffer, its alpha vector and their two barriers (P ready, P free). ``registers``: two of each,
@@ -437,7 +439,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
   def leader():
     """Warpgroup 0: QK and the softmax for the whole page, then its half of ``P @ V``."""
     if not (smem_operands or convert):  # the converting memory warpgroup keeps its registers
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(224 if registers else 232, action="increase")
     cols = pl.ds(0, COLS)
     phases = util.Phases()  # named regions for the on-device profiler (util.compiler_params)
     phases.start("wg0_q_wait")
@@ -586,7 +588,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
   def follower():
     """Warpgroup 1: the other half of ``P @ V`` with the leader's P and alpha (``registers``: all of it)."""
     if not (smem_operands or convert):  # the converting memory warpgroup keeps its registers
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(240 if registers else 232, action="increase")
     cols = pl.ds(COLS, COLS)
     phases = util.Phases()
 
