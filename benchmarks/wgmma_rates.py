@@ -20,6 +20,11 @@ page loop pays it. M = 64 rows:
   two round trips of a page as one.
 - ``qk+pv``: warpgroup 0 runs ``qk`` (N = 64) and warpgroup 1 ``pv`` (N = 256) side by side: the leader's QK beside
   the follower's half of ``P @ V``.
+- ``qk8``: the narrow fp8 kernel's QK over a page's latent columns: ``S^T[64 tokens, N] = tile[64, 512] @ q[N,
+  512]^T``, both e4m3 from SMEM (16 k32 steps; N = 2 x heads, q's two parts). An e4m3 sum keeps about 14 bits, so
+  as in the kernel each iteration's products go to a fresh accumulator that is added to the carried one in f32.
+  Timed at N = 16 and 32, by one warpgroup and by two side by side: what a QK step costs by its N, and whether two
+  warpgroups' steps overlap on the SM's tensor cores.
 
 Per case it prints the median time of a call (after a warm-up), kilocycles per iteration per CTA at the SM clock
 sampled during the calls (nvidia-smi; the boost clock without it), and TFLOP/s counting every warpgroup's products;
@@ -49,6 +54,7 @@ from pallas_kernels import util
 DIM = 576  # a latent cache row: q and the page tile are [*, DIM]
 ROWS = 64  # M of every product (a 64-row head tile)
 PAGE = 64  # K of P @ V (a page's tokens)
+LATENT = 512  # K of ``qk8``: a page's latent columns (e4m3 bytes, whole 128-byte swizzle rows)
 BOOST_MHZ = 1980.0
 
 
@@ -61,7 +67,7 @@ class Part:
   col: int = 0
 
   def flops(self) -> int:
-    return 2 * ROWS * self.n * (DIM if self.kind.startswith("qk") else PAGE)
+    return 2 * ROWS * self.n * (LATENT if self.kind == "qk8" else DIM if self.kind.startswith("qk") else PAGE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +99,8 @@ class Case:
 
 CASES = (Case("qk", 64, 1), Case("qk", 64, 2), Case("qk", 128, 1), Case("qk", 128, 2), Case("qk_rq", 64, 1),
          Case("qk_rq", 64, 2), Case("pv", 64, 1), Case("pv", 256, 1), Case("pv", 256, 2), Case("pv_kt", 64, 1),
-         Case("pv_kt", 256, 1), Case("pv4", 256, 1), Case("qk,pv", 256, 1), Case("qk+pv", 256, 2))
+         Case("pv_kt", 256, 1), Case("pv4", 256, 1), Case("qk,pv", 256, 1), Case("qk+pv", 256, 2),
+         Case("qk8", 16, 1), Case("qk8", 32, 1), Case("qk8", 16, 2), Case("qk8", 32, 2))
 KINDS = tuple(dict.fromkeys(c.kind for c in CASES))
 
 
@@ -102,6 +109,8 @@ def _operand_shapes(case: Case) -> tuple[tuple[int, int], tuple[int, int]]:
   ``pv_kt``)."""
   if case.kind == "pv_kt":
     return (ROWS, DIM), (case.n, PAGE)
+  if case.kind == "qk8":
+    return (ROWS, LATENT), (case.n, LATENT)
   if case.kind in ("qk", "qk_rq"):
     return (ROWS, DIM), (case.n, DIM)
   return (ROWS, DIM), (PAGE, DIM)  # V is the tile's first columns; a QK beside it is at N = 64
@@ -120,7 +129,7 @@ def _body(a_gmem, b_gmem, out_gmem, a_smem, b_smem, out_smem, bar, *, case: Case
   def operands(part: Part):
     if part.kind == "qk_rq":
       return plgpu.load(a_smem, layout=plgpu.Layout.WGMMA, optimized=False), b_smem.T
-    if part.kind == "qk":
+    if part.kind in ("qk", "qk8"):
       return a_smem, b_smem.T
     p = a_smem.at[:, pl.ds(0, PAGE)]
     return p, (b_smem.T if part.kind == "pv_kt" else b_smem.at[:, pl.ds(part.col, part.n)])
@@ -133,8 +142,16 @@ def _body(a_gmem, b_gmem, out_gmem, a_smem, b_smem, out_smem, bar, *, case: Case
       for acc_ref, (a, b) in zip(acc_refs, pairs):
         plgpu.wgmma(acc_ref, a, b)
 
+    def fresh(accs):  # e4m3: each iteration's products in accumulators of their own, added in f32
+      def run(*acc_refs):
+        products(*acc_refs)
+        return tuple(r[...] for r in acc_refs)
+      page = pl.run_scoped(run, *(plgpu.ACC((ROWS, part.n), jnp.float32) for part in parts))
+      return tuple(acc + x for acc, x in zip(accs, page))
+
     accs = tuple(plgpu.layout_cast(jnp.zeros((ROWS, part.n), jnp.float32), plgpu.Layout.WGMMA) for part in parts)
-    accs = lax.fori_loop(0, iters, lambda _, accs: util.accumulate(products, *accs, from_inits=True), accs)
+    step = fresh if case.kind == "qk8" else lambda accs: util.accumulate(products, *accs, from_inits=True)
+    accs = lax.fori_loop(0, iters, lambda _, accs: step(accs), accs)
     out_smem.at[w][...] = sum(acc.sum(axis=1) for acc in accs)  # row sums: a [64] check value per warpgroup
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem.at[w], out_gmem.at[lax.axis_index("c"), w])
@@ -147,7 +164,8 @@ def _body(a_gmem, b_gmem, out_gmem, a_smem, b_smem, out_smem, bar, *, case: Case
 def make(case: Case, iters: int, ctas: int):
   """The jitted kernel of ``case``: ``(a, b) -> [ctas, W, 64]`` f32 row sums of each warpgroup's accumulator."""
   (a_shape, b_shape) = _operand_shapes(case)
-  smem = lambda shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=util.smem_transforms(jnp.bfloat16, shape[1]))
+  dtype = operand_dtype(case)
+  smem = lambda shape: plgpu.SMEM(shape, dtype, transforms=util.smem_transforms(dtype, shape[1]))
   kernel = plgpu.kernel(
       functools.partial(_body, case=case, iters=iters),
       out_type=jax.ShapeDtypeStruct((ctas, case.warpgroups, ROWS), jnp.float32),
@@ -158,17 +176,24 @@ def make(case: Case, iters: int, ctas: int):
   return jax.jit(kernel)
 
 
+def operand_dtype(case: Case):
+  return jnp.float8_e4m3fn if case.kind == "qk8" else jnp.bfloat16
+
+
 def inputs(case: Case) -> tuple[jax.Array, jax.Array]:
+  """Random operands in the case's dtype (e4m3: N(0, 1), well inside its normal range; bf16: N(0, 1) / 64)."""
   a_shape, b_shape = _operand_shapes(case)
-  a = jax.random.normal(jax.random.key(0), a_shape, jnp.float32) / 64
-  b = jax.random.normal(jax.random.key(1), b_shape, jnp.float32) / 64
-  return a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+  spread = 1.0 if case.kind == "qk8" else 1 / 64
+  a = jax.random.normal(jax.random.key(0), a_shape, jnp.float32) * spread
+  b = jax.random.normal(jax.random.key(1), b_shape, jnp.float32) * spread
+  return a.astype(operand_dtype(case)), b.astype(operand_dtype(case))
 
 
 def expected(case: Case, a: jax.Array, b: jax.Array, iters: int) -> np.ndarray:
   """``[W, 64]``: each warpgroup's row sums (over all its accumulators) after ``iters`` iterations, in float64."""
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  products = {"qk": lambda p: a @ b[:p.n].T, "qk_rq": lambda p: a @ b[:p.n].T, "pv_kt": lambda p: a[:, :PAGE] @ b.T,
+  products = {"qk": lambda p: a @ b[:p.n].T, "qk_rq": lambda p: a @ b[:p.n].T, "qk8": lambda p: a @ b[:p.n].T,
+              "pv_kt": lambda p: a[:, :PAGE] @ b.T,
               "pv": lambda p: a[:, :PAGE] @ b[:PAGE, p.col:p.col + p.n]}
   return np.stack([sum(products[p.kind](p).sum(axis=1) for p in case.parts(w)) * iters
                    for w in range(case.warpgroups)])
@@ -181,7 +206,7 @@ def measure(case: Case, iters: int, ctas: int, reps: int = 5) -> dict:
   got = np.asarray(f(a, b))
   want = expected(case, a, b, iters)
   err = float(np.max(np.abs(got - want[None])) / np.max(np.abs(want)))
-  if not err < 1e-2:  # bf16 operands, f32 sums; NaN fails too
+  if not err < 1e-2:  # bf16 operands and f32 sums, or e4m3 ones and sums of about 14 bits; NaN fails too
     raise AssertionError(f"{case.name}: relative error {err:.3g} against NumPy")
   times = []
   with gpu_clocks() as clocks:
