@@ -60,7 +60,7 @@ BOOST_MHZ = 1980.0
 
 @dataclasses.dataclass(frozen=True)
 class Part:
-  """One product into its own accumulator: ``kind`` (qk, qk_rq, pv or pv_kt), its N, and for pv its first column
+  """One product into its own accumulator: ``kind`` (qk, qk_rq, qk8, pv or pv_kt), its N, and for pv its first column
   of V."""
   kind: str
   n: int
@@ -176,8 +176,9 @@ def make(case: Case, iters: int, ctas: int):
   return jax.jit(kernel)
 
 
-def operand_dtype(case: Case):
-  return jnp.float8_e4m3fn if case.kind == "qk8" else jnp.bfloat16
+def operand_dtype(case: Case) -> jnp.dtype:
+  """The operands' dtype: e4m3 for ``qk8``, bf16 for the rest."""
+  return jnp.dtype(jnp.float8_e4m3fn if case.kind == "qk8" else jnp.bfloat16)
 
 
 def inputs(case: Case) -> tuple[jax.Array, jax.Array]:
