@@ -132,13 +132,13 @@ def test_p_token_order_is_a_permutation_with_each_rows_pair_side_by_side():
 
 
 def test_p_in_two_e4m3_parts():
-  """``split_p_e4m3`` (the conversions of ``store_p_e4m3``, interpret mode's form) of P's weights times
+  """``e4m3_parts`` (the conversions of ``store_p_e4m3``, interpret mode's form) of P's weights times
   ``P_SCALE``: two e4m3 values (exact round trips) with ``x = hi + lo / Q_LO_FACTOR`` to ``2^-8 x`` plus the
   second part's subnormal spacing; 0 stays 0 and NaN stays NaN."""
   rng = np.random.default_rng(5)
   p = np.concatenate([rng.random(4096), 10.0 ** rng.uniform(-12, 0, 4096), [0.0, 1.0, np.nan]])
   x = (p * mla_kernel.P_SCALE).astype(np.float32)
-  hi, lo = (np.asarray(v, np.float64) for v in mla_kernel.split_p_e4m3(jnp.asarray(x)))
+  hi, lo = (np.asarray(v, np.float64) for v in mla_kernel.e4m3_parts(jnp.asarray(x)))
   for part in (hi, lo):
     np.testing.assert_array_equal(part, part.astype(ml_dtypes.float8_e4m3fn).astype(np.float64))
   x = x.astype(np.float64)

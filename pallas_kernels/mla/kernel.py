@@ -9,8 +9,8 @@ tiles the compute warpgroups dequantise each page into one bf16 tile; in the nar
 and one instruction per two values), q is taken in f16 (a q beyond f16's 65,504 gives inf, so NaN outputs), and
 the leader applies the per-token scales to the logits and to P. By default (``registers``) the narrow kernel
 keeps the fp8 page as it lands instead: the leader runs QK on its e4m3 values (q split into two e4m3 parts) and
-the softmax, and the follower converts V to f16 in registers and runs all of ``P @ V`` beside the leader's next
-page, so no f16 copy of the page is written or read. See README.md for the derivation, the NaN rules, the fp8
+the softmax, and the follower runs all of ``P @ V`` on V's e4m3 bytes in registers beside the leader's next page,
+so no f16 copy of the page is written or read. See README.md for the derivation, the NaN rules, the fp8
 pages and the SMEM budget.
 """
 
@@ -117,12 +117,10 @@ def split_e4m3(q: jax.Array) -> tuple[jax.Array, jax.Array]:
   x = q.astype(jnp.float32)
   amax = cache_format.row_amax(x)
   x = x / cache_format.amax_scale(amax)  # the cache rows' own scale rule
-  # q_hi's value in f32, rounded to e4m3 by integer operations: XLA's GPU compiler, at its default (excess
+  # The parts' values in f32, rounded to e4m3 by integer operations: XLA's GPU compiler, at its default (excess
   # precision allowed), folds an f32 -> e4m3 -> f32 round trip into the f32 value itself, which would leave q_lo
   # only what the clip cut (q about e4m3's 3 bits). The conversions below are exact.
-  hi = round_to_e4m3(jnp.clip(x, -cache_format.FP8_MAX, cache_format.FP8_MAX))
-  lo = (x - hi) * Q_LO_FACTOR
-  return jnp.concatenate([hi, lo], axis=1).astype(cache_format.FP8), amax[..., 0]
+  return jnp.concatenate(e4m3_parts(x), axis=1).astype(cache_format.FP8), amax[..., 0]
 
 
 def round_to_e4m3(x: jax.Array) -> jax.Array:
@@ -175,9 +173,10 @@ def e4m3_pair_operands(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return convert(x)
 
 
-def split_p_e4m3(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """f32 ``x`` (``P * P_SCALE``) as its two e4m3 parts' values in f32, ``x = hi + lo / Q_LO_FACTOR`` to about 2^-8
-  of x: interpret mode's form of ``store_p_e4m3``'s conversions (round to nearest even, saturating)."""
+def e4m3_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """f32 ``x`` as its two e4m3 parts' values in f32, ``x = hi + lo / Q_LO_FACTOR`` to about 2^-8 of x (round to
+  nearest even, saturating; NaN stays NaN): q's parts (``split_e4m3``, of ``q / s_q``) and P's (``P * P_SCALE``;
+  interpret mode's form of ``store_p_e4m3``'s conversions)."""
   hi = round_to_e4m3(jnp.clip(x, -cache_format.FP8_MAX, cache_format.FP8_MAX))
   lo = (x - hi) * Q_LO_FACTOR
   return hi, round_to_e4m3(jnp.clip(lo, -cache_format.FP8_MAX, cache_format.FP8_MAX))
@@ -185,7 +184,7 @@ def split_p_e4m3(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def store_p_e4m3(x: jax.Array, ref) -> None:
   """The leader's ``x = P * P_SCALE`` (f32 ``[64 tokens, R]``, WGMMA layout) into ``ref`` (e4m3 ``[2 R, 64]``, tiled
-  ``P_TRANSFORMS``): P^T's ``p_hi`` rows, then its ``p_lo`` rows (``split_p_e4m3``, by ``cvt.rn.satfinite``), token
+  ``P_TRANSFORMS``): P^T's ``p_hi`` rows, then its ``p_lo`` rows (``e4m3_parts``, by ``cvt.rn.satfinite``), token
   ``p_token(k)`` in column k. Thread q of row group r of warp w holds tokens t = 16 w + r and t + 8 (the layout's
   two row halves): ``p_token`` puts them side by side at k = 16 w + 2 r, so one 16-bit store per head and part.
   In the tiled, 64-byte-swizzled buffer head row n = 8 g + 2 q + i sits at byte 512 g + 64 (2 q + i), and its
@@ -225,8 +224,8 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
           smem_operands: bool, fp8: bool, narrow: bool, registers: bool, stages: int):
   # fp8 pages: the compute warpgroups dequantise them into one bf16 tile (64-row tiles), or the memory warpgroup
   # converts them unscaled into the f16 ring (narrow), and the compute warpgroups apply the per-token scales; or
-  # (``registers``, narrow) the pages stay fp8 in SMEM, QK reads them as e4m3 and ``P @ V`` converts V in
-  # registers.
+  # (``registers``, narrow) the pages stay fp8 in SMEM, QK reads them as e4m3 and ``P @ V`` takes V's e4m3 bytes
+  # into registers.
   dequant, convert = fp8 and not narrow, fp8 and narrow and not registers
   if registers:
     (words_ref, kv16_ref, q_amax_ref, table_ref, lens_ref, total_ref, o_ref, lse_ref, q_smem, ring, p_smem,
@@ -526,7 +525,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       if registers and not a_smem:
         store_p_e4m3(p * P_SCALE, p_ref)
       elif registers:
-        for k, part in enumerate(split_p_e4m3(p * P_SCALE)):
+        for k, part in enumerate(e4m3_parts(p * P_SCALE)):
           p_ref.at[pl.ds(k * rows, rows)].T[...] = part.astype(p_ref.dtype)
       else:
         (p_ref.T if narrow else p_ref)[...] = p.astype(p_ref.dtype)
@@ -947,8 +946,8 @@ def mla_decode_partials_mosaic(q_abs: jax.Array, kv_cache: jax.Array, block_tabl
       sequence over at most its S splits (``reference.balanced_split_width``; ``mla_decode`` takes S = twice the
       budget). None: every sequence in S equal splits of ``pages_per_split(max_pages, S)`` pages.
     registers: narrow with an fp8 cache only: the pages stay fp8 in SMEM, QK runs on their e4m3 values against q
-      split in two e4m3 parts (``split_e4m3``) and ``P @ V`` converts V to f16 in registers (interpret mode:
-      through SMEM, so ``smem_operands`` must equal ``interpret``).
+      split in two e4m3 parts (``split_e4m3``) and ``P @ V`` on V's e4m3 bytes in registers against P in two e4m3
+      parts (interpret mode: through SMEM, so ``smem_operands`` must equal ``interpret``).
 
   Returns:
     ``o_parts [S, B, Hq, 512]`` in ``partial_dtype`` (normalised) and ``lse_parts [S, B, Hq]`` f32 natural
