@@ -24,7 +24,8 @@ page loop pays it. M = 64 rows:
   512]^T``, both e4m3 from SMEM (16 k32 steps; N = 2 x heads, q's two parts). An e4m3 sum keeps about 14 bits, so
   as in the kernel each iteration's products go to a fresh accumulator that is added to the carried one in f32.
   Timed at N = 16 and 32, by one warpgroup and by two side by side: what a QK step costs by its N, and whether two
-  warpgroups' steps overlap on the SM's tensor cores.
+  warpgroups' steps overlap on the SM's tensor cores; and at N = 64 and 128, the width of a step with the heads
+  as M and a page's tokens (or two pages') as N.
 
 Per case it prints the median time of a call (after a warm-up), kilocycles per iteration per CTA at the SM clock
 sampled during the calls (nvidia-smi; the boost clock without it), and TFLOP/s counting every warpgroup's products;
@@ -100,7 +101,8 @@ class Case:
 CASES = (Case("qk", 64, 1), Case("qk", 64, 2), Case("qk", 128, 1), Case("qk", 128, 2), Case("qk_rq", 64, 1),
          Case("qk_rq", 64, 2), Case("pv", 64, 1), Case("pv", 256, 1), Case("pv", 256, 2), Case("pv_kt", 64, 1),
          Case("pv_kt", 256, 1), Case("pv4", 256, 1), Case("qk,pv", 256, 1), Case("qk+pv", 256, 2),
-         Case("qk8", 16, 1), Case("qk8", 32, 1), Case("qk8", 16, 2), Case("qk8", 32, 2))
+         Case("qk8", 16, 1), Case("qk8", 32, 1), Case("qk8", 16, 2), Case("qk8", 32, 2), Case("qk8", 64, 1),
+         Case("qk8", 128, 1), Case("qk8", 64, 2))
 KINDS = tuple(dict.fromkeys(c.kind for c in CASES))
 
 
