@@ -220,6 +220,16 @@ def store_p_e4m3(x: jax.Array, ref) -> None:
   store(x, ref)
 
 
+def in_loop(ref, i: jax.Array):
+  """``ref`` itself, sliced at an offset of 0 that depends on the page loop's index ``i`` (``i >> 30``: a program
+  has fewer than 2**30 pages). A loop-invariant wgmma operand's descriptors, one 64-bit pair per k-step (36 for
+  q's 576 columns), are otherwise hoisted out of the page loop, and ptxas keeps them in ordinary registers that
+  spill (and, under a loop nest, are reloaded on every page); computed in the loop, they are constant offsets from
+  one uniform base."""
+  zero = pl.multiple_of(lax.shift_right_logical(i, 30) * ref.shape[0], ref.shape[0])
+  return ref.at[pl.ds(zero, ref.shape[0])]
+
+
 def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: int, scale: float,
           smem_operands: bool, fp8: bool, narrow: bool, registers: bool, stages: int):
   # fp8 pages: the compute warpgroups dequantise them into one bf16 tile (64-row tiles), or the memory warpgroup
@@ -459,10 +469,10 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
       phases.start("wg0_qk_softmax")
 
       def qk(acc_ref):
-        if narrow:
+        if narrow:  # q as it is: narrow does not spill, and its loop keeps its instructions
           plgpu.wgmma(acc_ref, tile, q_smem.T)
         else:
-          plgpu.wgmma(acc_ref, q_smem, tile.T)
+          plgpu.wgmma(acc_ref, in_loop(q_smem, i), tile.T)
         return acc_ref[...]
 
       def qk_parts(*acc_refs):
