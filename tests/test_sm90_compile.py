@@ -28,14 +28,11 @@ SPILL_BUDGET = {
     "kda_prefill_prep": (132, 136),  # the largest over the cases (T = 32768)
     "kda_prefill_combine": (88, 88),
     "mla_decode_narrow_fp8": (8, 4),
-    # The 64-row fp8 kernel: most of these are where the full pages' loop hands over to the last page's masked loop
-    # (once per program); HOT_LOOP_SPILL_LOADS bounds those inside the full pages' loop.
-    "mla_decode_wide_fp8": (304, 336),
     "mla_prefill": (36, 100),
 }
 # The 64-row MLA kernels' page loop that runs on every full page (the shortest loop holding a page's QK, 36
 # ``HGMMA.64x64x16``, and ``P @ V``, ``HGMMA.64x256x16``): at most this many spill reloads (``LDL``) a page, and
-# no spill store (``STL``). The totals above cannot tell a spill there, paid on every page, from one paid once.
+# no spill store (``STL``): a spill there is paid on every page, not once per program.
 HOT_LOOP_SPILL_LOADS = {"mla-decode-hq128-bf16": 0, "mla-decode-hq128-fp8": 0}
 # The Mosaic GPU kernels of each case, and at most how many XLA kernels run beside them.
 EXPECTED = {

@@ -406,7 +406,7 @@ def _body(q_ref, kv_ref, *refs, num_splits: int, budget: int | None, out_rows: i
     plgpu.commit_smem()
     plgpu.barrier_arrive(tile_ready_bar)
     plgpu.barrier_wait(tile_ready_bar)
-    return kv_tile
+    return in_loop(kv_tile, i)  # one tile for every page: its descriptors as q's
 
   def done(i):
     """After a warpgroup's ``P @ V`` of page i: the ring slot goes back to the memory warpgroup (fp8: it held P
